@@ -1,0 +1,146 @@
+"""The `specdec` command: pull, models, plan, generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from specdec_core import theory
+
+    if args.gamma is not None:
+        tokens = theory.expected_tokens(args.alpha, args.gamma)
+        print(f"alpha={args.alpha} gamma={args.gamma}: expected tokens per verification step = {tokens:.2f}")
+        if args.draft_ms is not None and args.verify_ms is not None:
+            ratio = args.draft_ms / args.verify_ms
+            print(f"speedup over plain decoding = {theory.speedup(args.alpha, args.gamma, ratio):.2f}x (cost ratio c={ratio:.3f})")
+        return 0
+    if args.draft_ms is None or args.verify_ms is None:
+        print("specdec plan: give --gamma, or --draft-ms and --verify-ms to find the optimal gamma", file=sys.stderr)
+        return 2
+    ratio = args.draft_ms / args.verify_ms
+    gamma, speedup = theory.optimal_gamma(args.alpha, ratio, args.gamma_max)
+    print(
+        f"alpha={args.alpha} draft={args.draft_ms} ms verify={args.verify_ms} ms (c={ratio:.3f}): "
+        f"optimal gamma = {gamma}, expected tokens per step = {theory.expected_tokens(args.alpha, gamma):.2f}, "
+        f"speedup over plain decoding = {speedup:.2f}x"
+    )
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from specdec_core.build import build_engine
+    from specdec_core.config import Config
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.sequence import Sequence
+
+    engine = build_engine(Config.load(args.config), drafter=args.drafter)
+    tokenizer = engine.target.tokenizer
+    if args.chat and tokenizer.chat_template:
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    seq = Sequence("cli", list(prompt_ids), SamplingParams(temperature=args.temperature, seed=args.seed), args.max_tokens)
+    engine.add(seq)
+    start = time.perf_counter()
+    marked = []
+    while engine.seqs:
+        for row in engine.step().rows:
+            # Kept draft tokens are shown in [brackets]; the target's own token after them is plain.
+            text = [tokenizer.decode([t]) for t in row.new_tokens]
+            drafted = "".join(text[: row.accepted])
+            marked.append((f"[{drafted}]" if drafted else "") + "".join(text[row.accepted :]))
+    elapsed = time.perf_counter() - start
+    print("".join(marked))
+    usage = seq.stats.as_usage()
+    print(
+        f"\n-- {len(seq.output_ids)} tokens in {elapsed:.2f} s = {len(seq.output_ids) / elapsed:.2f} tokens/s; "
+        f"method {usage['method']}, acceptance {usage['acceptance_rate']:.1%}, "
+        f"mean accepted length {usage['mean_accepted_length']:.2f}, mean gamma {usage['mean_gamma']:.2f}, "
+        f"finish {seq.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from server.app import serve
+
+    return serve(args.config, host=args.host, port=args.port, drafter=args.drafter)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from specdec_core.bench.cli import run_bench
+
+    return run_bench(args)
+
+
+def pull_command(args: argparse.Namespace) -> int:
+    from specdec_core.models.registry import pull_command as pull
+
+    return pull(args.names)
+
+
+def models_command(args: argparse.Namespace) -> int:
+    from specdec_core.models.registry import models_command as models
+
+    return models()
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding inference server and tools.")
+    sub = root.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="fetch, verify and convert registry models")
+    p.add_argument("names", nargs="+", help="registry names (see `specdec models`)")
+    p.set_defaults(func=pull_command)
+
+    p = sub.add_parser("models", help="list registry models and whether they are cached")
+    p.set_defaults(func=models_command)
+
+    p = sub.add_parser("plan", help="expected tokens, speedup and optimal gamma from closed forms")
+    p.add_argument("--alpha", type=float, required=True, help="per-token acceptance rate")
+    p.add_argument("--gamma", type=int, help="draft tokens per step")
+    p.add_argument("--draft-ms", type=float, help="cost of one draft step")
+    p.add_argument("--verify-ms", type=float, help="cost of one target (verify) pass")
+    p.add_argument("--gamma-max", type=int, default=32, help="largest gamma considered")
+    p.set_defaults(func=plan_command)
+
+    p = sub.add_parser("generate", help="decode one prompt and show what was drafted and accepted")
+    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--drafter", help="override the config's drafter (none decodes plainly)")
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt raw, not through the chat template")
+    p.set_defaults(func=generate_command)
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--drafter", help="override the config's drafter (none serves plain decoding)")
+    p.set_defaults(func=serve_command)
+
+    p = sub.add_parser("bench", help="Spec-Bench-style measurement of decoding methods")
+    from specdec_core.bench.cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=bench_command)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

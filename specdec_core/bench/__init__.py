@@ -1,0 +1,1 @@
+"""Spec-Bench-style measurement of decoding methods."""

@@ -1,0 +1,185 @@
+"""One decoding step for a batch of sequences, speculative or plain.
+
+The target's cache holds every token of a row but the last; each step feeds
+that last token plus the row's draft tokens in one pass, so the logits at
+position j judge draft token j and the logits after the last kept token give
+the next one. Plain decoding is the same step with no draft tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .control import Controller
+from .drafters.base import Drafter, Proposal
+from .models.runner import ModelRunner
+from .sampling import greedy_tokens, make_generator, running_counts, to_probs
+from .sequence import Sequence
+from .verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class RowResult:
+    """What one row got from a step."""
+
+    seq: Sequence
+    new_tokens: list[int]
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class StepReport:
+    """Measured figures of one step, for metrics and benchmarks."""
+
+    mode: str  # "speculative" or "plain"
+    method: str
+    batch_size: int
+    gamma: int
+    draft_s: float
+    verify_s: float
+    rows: list[RowResult] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft token at j was kept
+    drafted_per_position: list[int] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class Engine:
+    """Owns the target's batch cache, the drafter and the controller."""
+
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int]):
+        self.target = target
+        self.drafter = drafter
+        self.controller = controller
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache = target.empty_cache()
+        self.seqs: list[Sequence] = []
+
+    @property
+    def method(self) -> str:
+        return self.drafter.name if self.drafter else "none"
+
+    def add(self, seq: Sequence) -> torch.Tensor:
+        """Prefill a new sequence into the batch; returns the prompt's logits [len-1, V] (for echo logprobs)."""
+        if not seq.prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        seq.stats.method = self.method
+        seq.generator = seq.generator or make_generator(seq.params.seed, self.target.device)
+        if seq.params.uses_counts:
+            seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
+            for token in seq.output_ids:
+                seq.counts[token] += 1
+        row, logits = self.target.prefill(seq.tokens[:-1])
+        self.target.append_rows(self.cache, row)
+        if self.drafter:
+            self.drafter.add(seq)
+        self.seqs.append(seq)
+        return logits
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        """Drop sequences from the batch (finished, cancelled or disconnected)."""
+        gone = {id(seq) for seq in seqs}
+        keep = [i for i, seq in enumerate(self.seqs) if id(seq) not in gone]
+        if len(keep) == len(self.seqs):
+            return
+        self.target.remove_rows(self.cache, keep)
+        if self.drafter:
+            self.drafter.remove(keep)
+        self.seqs = [self.seqs[i] for i in keep]
+
+    def step(self) -> StepReport:
+        """Decode one step for every sequence in the batch; finished ones leave the batch."""
+        seqs = self.seqs
+        gamma = self.controller.choose(seqs) if self.drafter else 0
+        start = time.perf_counter()
+        proposal = self._propose(seqs, gamma)
+        draft_s = time.perf_counter() - start
+
+        width = proposal.width
+        ids = torch.zeros(len(seqs), width + 1, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, 0] = seq.tokens[-1]
+            ids[i, 1 : 1 + proposal.lengths[i]] = proposal.tokens[i, : proposal.lengths[i]]
+        start = time.perf_counter()
+        logits, _ = self.target.forward(self.cache, ids.to(self.target.device))
+        verify_s = time.perf_counter() - start
+
+        report = StepReport(
+            mode="speculative" if width else "plain",
+            method=self.method,
+            batch_size=len(seqs),
+            gamma=width,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            accepted_per_position=[0] * width,
+            drafted_per_position=[0] * width,
+        )
+        keep = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
+        for i, seq in enumerate(seqs):
+            length = proposal.lengths[i]
+            draft = proposal.tokens[i, :length].to(self.target.device)
+            q = proposal.probs[i, :length] if proposal.probs is not None else None
+            accepted, tokens = self._verify(seq, draft, q, logits[i, : length + 1])
+            keep[i, : accepted + 1] = True
+            for j in range(length):
+                report.drafted_per_position[j] += 1
+                report.accepted_per_position[j] += j < accepted
+            emitted = self._emit(seq, tokens, logits[i])
+            if length:
+                seq.stats.draft_tokens += length
+                seq.stats.accepted_tokens += accepted
+                seq.stats.verify_steps += 1
+                seq.stats.gamma_sum += length
+                seq.stats.emitted_tokens += len(emitted)
+            report.rows.append(RowResult(seq, emitted, length, accepted))
+        self.target.commit(self.cache, keep.to(self.target.device))
+        if self.drafter and width:
+            self.drafter.accepted(seqs, proposal, [row.accepted for row in report.rows])
+        self.controller.observe(
+            len(seqs), width + 1, verify_s, width, draft_s,
+            drafted=sum(proposal.lengths), accepted=sum(row.accepted for row in report.rows),
+        )
+        report.finished = [seq for seq in seqs if seq.finished]
+        self.remove(report.finished)
+        return report
+
+    def _propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+        empty = Proposal(tokens=torch.zeros(len(seqs), 0, dtype=torch.long), lengths=[0] * len(seqs), probs=None)
+        if not gamma or not self.drafter:
+            return empty
+        proposal = self.drafter.propose(seqs, gamma)
+        # Never draft past a row's token budget: the step emits at most remaining tokens.
+        proposal.lengths = [min(n, max(seq.remaining - 1, 0)) for n, seq in zip(proposal.lengths, seqs)]
+        return proposal
+
+    def _verify(
+        self, seq: Sequence, draft: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor
+    ) -> tuple[int, list[int]]:
+        counts = running_counts(seq.counts, draft, self.target.vocab_size)
+        if seq.params.greedy:
+            return verify_greedy(draft, greedy_tokens(logits, seq.params, counts))
+        return verify_sampled(draft, q, to_probs(logits, seq.params, counts), seq.generator)
+
+    def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> list[int]:
+        """Append tokens (the j-th drawn from logits[j]) up to the first stop; returns those appended."""
+        emitted = []
+        for j, token in enumerate(tokens):
+            if seq.top_logprobs is not None:
+                logprobs = logits[j].log_softmax(dim=-1)
+                seq.token_logprobs.append(float(logprobs[token]))
+                top = logprobs.topk(seq.top_logprobs) if seq.top_logprobs else None
+                seq.top_logprob_ids.append(list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
+            seq.output_ids.append(token)
+            if seq.counts is not None:
+                seq.counts[token] += 1
+            emitted.append(token)
+            if token in self.eos_token_ids or token in seq.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.remaining <= 0:
+                seq.finish_reason = "length"
+            if seq.finished:
+                break
+        return emitted

@@ -1,0 +1,234 @@
+"""The model runner: forward passes over new tokens against a batched KV cache
+that can be rolled back.
+
+One `BatchCache` holds the keys and values of every row of a batch in shared
+slots. Each row owns a boolean slot mask: a row attends only to its own valid
+slots, so rows of different lengths share one tensor without padding logic,
+rejected draft slots are simply marked invalid, and a token tree is one more
+4D mask (see "Ideas" in DESIGN.md). Rotary positions come from each row's own
+count of valid tokens, so a slot's place in the tensor never matters.
+
+This wraps transformers' own model classes; it does not fork them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(path: str, dtype: str = "bf16", device: str = "auto") -> tuple[PreTrainedModel, object]:
+    """Load a causal LM and its tokenizer from a local directory (or a hub id)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model.to(resolve_device(device)).eval()
+    return model, tokenizer
+
+
+def set_threads(threads: int | None) -> None:
+    """CPU intra-op threads; None keeps torch's default (all cores)."""
+    if threads:
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+@dataclass
+class BatchCache:
+    """KV cache of a batch: shared slots, a per-row mask of valid slots."""
+
+    kv: DynamicCache
+    valid: torch.Tensor  # [B, S] bool: slot s holds a token of row b
+    lengths: torch.Tensor  # [B] long: valid tokens per row = next rotary position
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+
+def _layers(kv: DynamicCache):
+    return [layer for layer in kv.layers if layer.is_initialized]
+
+
+class _EmptyRows:
+    """Zero keys and values shaped like `layer`, for rows that hold no token yet."""
+
+    def __init__(self, layer, rows: int):
+        shape = (rows, *layer.keys.shape[1:])
+        self.keys = layer.keys.new_zeros(shape)
+        self.values = layer.values.new_zeros(shape)
+
+
+class ModelRunner:
+    """Forward passes of one causal LM over a `BatchCache`."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str = "model"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.config = model.config
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.num_layers = model.config.num_hidden_layers
+
+    # -- cache bookkeeping -------------------------------------------------
+
+    def empty_cache(self) -> BatchCache:
+        return BatchCache(
+            kv=DynamicCache(),
+            valid=torch.zeros(0, 0, dtype=torch.bool, device=self.device),
+            lengths=torch.zeros(0, dtype=torch.long, device=self.device),
+        )
+
+    def append_rows(self, cache: BatchCache, row_cache: BatchCache) -> None:
+        """Join the rows of `row_cache` (e.g. a fresh prefill) to `cache`, padding slots."""
+        if cache.batch_size == 0:
+            cache.kv, cache.valid, cache.lengths = row_cache.kv, row_cache.valid, row_cache.lengths
+            return
+        slots = max(cache.slots, row_cache.slots)
+        self._pad_slots(cache, slots)
+        self._pad_slots(row_cache, slots)
+        mine, theirs = _layers(cache.kv), _layers(row_cache.kv)
+        if mine or theirs:
+            # A side that never ran a forward (one-token prompts) has no tensors yet: give it empty slots.
+            template = mine or theirs
+            old = mine or [_EmptyRows(layer, cache.batch_size) for layer in template]
+            new = theirs or [_EmptyRows(layer, row_cache.batch_size) for layer in template]
+            if not mine:
+                cache.kv = row_cache.kv
+            for target, a, b in zip(_layers(cache.kv), old, new):
+                target.keys, target.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
+        cache.valid = torch.cat([cache.valid, row_cache.valid], dim=0)
+        cache.lengths = torch.cat([cache.lengths, row_cache.lengths], dim=0)
+
+    @staticmethod
+    def _pad_slots(cache: BatchCache, slots: int) -> None:
+        extra = slots - cache.slots
+        if extra <= 0:
+            return
+        for layer in _layers(cache.kv):
+            pad = layer.keys.new_zeros(*layer.keys.shape[:2], extra, layer.keys.shape[3])
+            layer.keys = torch.cat([layer.keys, pad], dim=2)
+            layer.values = torch.cat([layer.values, pad.clone()], dim=2)
+        cache.valid = torch.cat([cache.valid, cache.valid.new_zeros(cache.batch_size, extra)], dim=1)
+
+    def remove_rows(self, cache: BatchCache, keep: list[int]) -> None:
+        """Keep only the rows at indices `keep`, in that order."""
+        if not keep:
+            cache.kv, cache.valid, cache.lengths = self.empty_cache().kv, cache.valid[:0, :0], cache.lengths[:0]
+            return
+        index = torch.tensor(keep, device=self.device)
+        for layer in _layers(cache.kv):
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        cache.valid = cache.valid.index_select(0, index)
+        cache.lengths = cache.lengths.index_select(0, index)
+        self.compact(cache, min_waste=0.0)
+
+    def drop_last(self, cache: BatchCache, counts: list[int]) -> None:
+        """Invalidate the last counts[i] slots of row i (tokens a drafter appended and the target refused)."""
+        for row, count in enumerate(counts):
+            if count:
+                if not cache.valid[row, cache.slots - count :].all():
+                    raise RuntimeError(f"drop_last: the last {count} slots of row {row} are not all valid")
+                cache.valid[row, cache.slots - count :] = False
+        cache.lengths = cache.lengths - torch.tensor(counts, device=self.device)
+
+    def compact(self, cache: BatchCache, min_waste: float = 0.25) -> None:
+        """Drop slots no row uses once they are more than `min_waste` of all slots."""
+        if cache.slots == 0:
+            return
+        used = cache.valid.any(dim=0)
+        if used.all() or (1 - used.float().mean().item()) < min_waste:
+            return
+        index = used.nonzero().squeeze(1)
+        for layer in _layers(cache.kv):
+            layer.keys = layer.keys.index_select(2, index)
+            layer.values = layer.values.index_select(2, index)
+        cache.valid = cache.valid.index_select(1, index)
+
+    def commit(self, cache: BatchCache, keep: torch.Tensor) -> None:
+        """Settle the slots of the last forward: `keep` [B, k] says which stay valid.
+
+        This is the rollback: a rejected draft token's slot becomes invalid and
+        its row's position count does not advance past it.
+        """
+        k = keep.shape[1]
+        cache.valid[:, cache.slots - k :] = keep
+        cache.lengths = cache.lengths + keep.sum(dim=1)
+        self.compact(cache)
+
+    # -- forward -----------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: BatchCache,
+        input_ids: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+        hidden_states: bool = False,
+        commit: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Run `input_ids` [B, k] against the cache; return logits [B, k, V] (float32).
+
+        tree_mask [B, k, k] (bool, query attends key) defaults to causal; depths
+        [B, k] are the new tokens' offsets from each row's length (default
+        0..k-1). The new slots are written as pending: call `commit` with the
+        slots to keep, or pass commit=True to keep them all. With
+        hidden_states=True also returns every layer's hidden states
+        (embeddings first, as transformers does).
+        """
+        batch, k = input_ids.shape
+        if batch != cache.batch_size and cache.batch_size != 0:
+            raise ValueError(f"batch of {batch} rows against a cache of {cache.batch_size}")
+        if cache.batch_size == 0:
+            cache.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
+            cache.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        if tree_mask is None:
+            tree_mask = torch.ones(k, k, dtype=torch.bool, device=self.device).tril().expand(batch, k, k)
+        if depths is None:
+            depths = torch.arange(k, device=self.device).expand(batch, k)
+        allowed = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), tree_mask], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask[:, None],
+            position_ids=cache.lengths[:, None] + depths,
+            cache=cache.kv,
+            use_cache=True,
+            output_hidden_states=hidden_states,
+        )
+        cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=self.device)], dim=1)
+        if commit:
+            self.commit(cache, torch.ones(batch, k, dtype=torch.bool, device=self.device))
+        return out.logits.float(), (out.hidden_states if hidden_states else None)
+
+    def prefill(self, token_ids: list[int]) -> tuple[BatchCache, torch.Tensor]:
+        """A one-row cache holding `token_ids`, and their logits [len, V]."""
+        cache = self.empty_cache()
+        if not token_ids:
+            cache.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
+            cache.lengths = torch.zeros(1, dtype=torch.long, device=self.device)
+            return cache, torch.zeros(0, self.vocab_size, device=self.device)
+        logits, _ = self.forward(cache, torch.tensor([token_ids], device=self.device), commit=True)
+        return cache, logits[0]

@@ -1,0 +1,91 @@
+"""Logits to probabilities, and draws from them.
+
+The same transforms shape the target's p and the drafter's q, so that the
+acceptance rule compares like with like. Penalties follow OpenAI's definition:
+logit -= frequency_penalty * count + presence_penalty * (count > 0), counted
+over the tokens generated so far (the prompt does not count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_counts(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """One generator per request: a seed reproduces its completion."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def running_counts(base: torch.Tensor | None, tokens: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """Token counts before each of len(tokens)+1 positions: base, then base plus each token in turn."""
+    if base is None:
+        return None
+    steps = torch.zeros(len(tokens) + 1, vocab, dtype=base.dtype, device=base.device)
+    if len(tokens):
+        steps[torch.arange(1, len(tokens) + 1), tokens.to(base.device)] = 1
+    return base + steps.cumsum(dim=0)
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Logit bias and penalties on logits [k, V]; counts [k, V] are the counts before each row."""
+    if params.logit_bias:
+        logits = logits.clone()
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits[:, ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+    if params.uses_counts and counts is not None:
+        counts = counts.to(logits.dtype)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def to_probs(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampling distribution [k, V] from raw logits [k, V] (temperature > 0)."""
+    logits = adjust_logits(logits, params, counts) / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Argmax tokens [k] of logits [k, V] after bias and penalties."""
+    return adjust_logits(logits, params, counts).argmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [k, V]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,63 @@
+"""One request's sequence as the engine decodes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class SpecStats:
+    """Measured speculation figures of one sequence (usage.speculative)."""
+
+    method: str = "none"
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    gamma_sum: int = 0
+    emitted_tokens: int = 0
+
+    def as_usage(self) -> dict:
+        return {
+            "method": self.method,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "mean_accepted_length": self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0,
+            "mean_gamma": self.gamma_sum / self.verify_steps if self.verify_steps else 0.0,
+        }
+
+
+@dataclass
+class Sequence:
+    """Prompt, output so far, and per-request settings of one generated sequence."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    top_logprobs: int | None = None  # None: no logprobs; k: the target's logprob plus its top k
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprob_ids: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    counts: torch.Tensor | None = None  # [V] output token counts, only when penalties need them
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
