@@ -75,7 +75,12 @@ class Engine:
         row, logits = self.target.prefill(seq.tokens[:-1])
         self.target.append_rows(self.cache, row)
         if self.drafter:
-            self.drafter.add(seq)
+            try:
+                self.drafter.add(seq)
+            except BaseException:
+                # Take the row back: a cache row no sequence owns would break every later step.
+                self.target.remove_rows(self.cache, list(range(len(self.seqs))))
+                raise
         self.seqs.append(seq)
         return logits
 

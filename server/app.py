@@ -1,0 +1,109 @@
+"""The FastAPI app and `serve`: models load in the worker thread while /health answers 503."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from specdec_core.build import build_engine
+from specdec_core.config import Config
+
+from .metrics import Metrics, RequestCounter
+from .routes import router
+from .scheduler import Scheduler
+from .schemas import APIError, validation_error
+
+
+def create_app(config: Config, drafter: str | None = None) -> FastAPI:
+    """An app serving `config`'s target (with `drafter` overriding the config's); models load on startup."""
+    metrics = Metrics()
+    scheduler = Scheduler(lambda: build_engine(config, drafter=drafter), config.server, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.shutdown)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.model_name = config.server.served_model_name or config.model.target
+    app.state.created = int(time.time())
+    app.include_router(router)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    return app
+
+
+def _respond(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _respond(exc)
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _respond(validation_error(list(exc.errors())))
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _respond(APIError(exc.status_code, str(exc.detail), type=kind))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises the exception after this response, and uvicorn logs its traceback.
+    return _respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the scheduler at SIGTERM/SIGINT so that it stops admitting at once
+    and ends what is still running after shutdown_grace_s (uvicorn itself waits for open requests)."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.scheduler.drain(self.scheduler.settings.shutdown_grace_s)
+        super().handle_exit(sig, frame)
+
+
+def serve(config_path: str, host: str | None = None, port: int | None = None, drafter: str | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT; 0 on a clean exit, 1 when the models failed to load."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = Config.load(config_path)
+    app = create_app(config, drafter=drafter)
+    scheduler: Scheduler = app.state.scheduler
+    settings = config.server
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=host or settings.host,
+            port=port or settings.port,
+            # A backstop only: the scheduler itself ends in-flight requests once the grace is over.
+            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
+        ),
+        scheduler,
+    )
+    scheduler.on_load_error = lambda: server.handle_exit(signal.SIGTERM, None)
+    # uvicorn re-raises the signal that stopped it once shutdown is over; by then the drain
+    # is done, so the process should end with serve's status rather than die by that signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    server.run()
+    return 1 if scheduler.state == "failed" else 0

@@ -1,0 +1,193 @@
+"""Response and stream-chunk objects, shaped exactly as OpenAI shapes them.
+
+A format knows one endpoint's choice shapes; `collect` and `stream` drive a
+job's updates through it, the same way for completions and chat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, fields
+
+from specdec_core.sequence import SpecStats
+
+from .scheduler import Job, Logprob, TokenOut, Update
+from .schemas import APIError
+
+
+@dataclass
+class Envelope:
+    """The fields every response and chunk of one request share."""
+
+    prefix: str  # "cmpl" or "chatcmpl"
+    model: str
+    id: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+
+    def wrap(self, object: str, **fields) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model, **fields}
+
+
+def usage(prompt_tokens: int, finals: list[Update]) -> dict:
+    """OpenAI usage plus usage.speculative over all of the request's sequences."""
+    stats = SpecStats(method=finals[0].stats.method if finals else "none")
+    for update in finals:
+        for name in (f.name for f in fields(SpecStats) if f.name != "method"):
+            setattr(stats, name, getattr(stats, name) + getattr(update.stats, name))
+    completion_tokens = sum(update.completion_tokens for update in finals)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": stats.as_usage(),
+    }
+
+
+class CompletionFormat:
+    """/v1/completions: text choices, logprobs as tokens/token_logprobs/top_logprobs/text_offset."""
+
+    prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, logprobs: bool, echo_texts: list[str] | None):
+        self.logprobs = logprobs
+        self.echo_texts = echo_texts  # per choice index, when echo was asked
+
+    def opening(self, update: Update) -> dict | None:
+        if self.echo_texts is None:
+            return None
+        prompt = update.prompt_logprobs or []
+        logprobs = _completion_logprobs(prompt, _prompt_offsets(prompt)) if self.logprobs else None
+        return self._choice(update.index, self.echo_texts[update.index], logprobs, None)
+
+    def delta(self, index: int, token: TokenOut) -> dict:
+        logprobs = _completion_logprobs([token.logprob], [self._base(index) + token.offset]) if self.logprobs else None
+        return self._choice(index, token.text, logprobs, None)
+
+    def closing(self, index: int, reason: str) -> dict:
+        return self._choice(index, "", None, reason)
+
+    def choice(self, index: int, tokens: list[TokenOut], reason: str, prompt_logprobs: list[Logprob] | None) -> dict:
+        text = "".join(token.text for token in tokens)
+        logprobs = None
+        if self.logprobs:
+            prompt = prompt_logprobs or []
+            offsets = _prompt_offsets(prompt) + [self._base(index) + token.offset for token in tokens]
+            logprobs = _completion_logprobs(prompt + [token.logprob for token in tokens], offsets)
+        if self.echo_texts is not None:
+            text = self.echo_texts[index] + text
+        return self._choice(index, text, logprobs, reason)
+
+    def _base(self, index: int) -> int:
+        return len(self.echo_texts[index]) if self.echo_texts is not None else 0
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: dict | None, reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _prompt_offsets(prompt: list[Logprob]) -> list[int]:
+    """Character offsets of the prompt's tokens, from the lengths of their texts."""
+    offsets, at = [], 0
+    for item in prompt:
+        offsets.append(at)
+        at += len(item.token)
+    return offsets
+
+
+def _completion_logprobs(items: list[Logprob], offsets: list[int]) -> dict:
+    # The sampled token always appears among top_logprobs, as OpenAI documents ("up to logprobs+1").
+    return {
+        "tokens": [item.token for item in items],
+        "token_logprobs": [item.logprob for item in items],
+        "top_logprobs": [None if item.logprob is None else {**dict(item.top), item.token: item.logprob} for item in items],
+        "text_offset": offsets,
+    }
+
+
+class ChatFormat:
+    """/v1/chat/completions: assistant messages, deltas that open with the role, logprobs.content."""
+
+    prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, logprobs: bool):
+        self.logprobs = logprobs
+
+    def opening(self, update: Update) -> dict | None:
+        return {"index": update.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, token: TokenOut) -> dict:
+        logprobs = {"content": [_chat_logprob(token.logprob)]} if self.logprobs else None
+        return {"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": None}
+
+    def closing(self, index: int, reason: str) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def choice(self, index: int, tokens: list[TokenOut], reason: str, prompt_logprobs: list[Logprob] | None) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(token.text for token in tokens)},
+            "logprobs": {"content": [_chat_logprob(token.logprob) for token in tokens]} if self.logprobs else None,
+            "finish_reason": reason,
+        }
+
+
+def _chat_logprob(item: Logprob) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {**entry(item.token, item.logprob), "top_logprobs": [entry(token, logprob) for token, logprob in item.top]}
+
+
+Format = CompletionFormat | ChatFormat
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
+async def collect(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int) -> dict:
+    """The whole response of a non-streamed request."""
+    tokens: dict[int, list[TokenOut]] = {choice.index: [] for choice in job.choices}
+    prompts: dict[int, list[Logprob] | None] = {}
+    finals: dict[int, Update] = {}
+    async for update in job.updates():
+        tokens[update.index] += update.tokens
+        if update.admitted:
+            prompts[update.index] = update.prompt_logprobs
+        if update.finish_reason:
+            finals[update.index] = update
+    choices = [fmt.choice(i, tokens[i], finals[i].finish_reason, prompts.get(i)) for i in sorted(tokens)]
+    return envelope.wrap(fmt.object, choices=choices, usage=usage(prompt_tokens, list(finals.values())))
+
+
+async def stream(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    """SSE data payloads: one chunk per token, a closing chunk per choice, usage if asked, then [DONE]."""
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(choice: dict) -> str:
+        return _json(envelope.wrap(fmt.chunk_object, choices=[choice], **extra))
+
+    finals = []
+    try:
+        async for update in job.updates():
+            opening = fmt.opening(update) if update.admitted else None
+            if opening:
+                yield chunk(opening)
+            for token in update.tokens:
+                yield chunk(fmt.delta(update.index, token))
+            if update.finish_reason:
+                finals.append(update)
+                yield chunk(fmt.closing(update.index, update.finish_reason))
+    except APIError as error:
+        # Headers are long gone: the error travels as an event, as OpenAI sends it.
+        yield _json(error.body())
+        return
+    if include_usage:
+        yield _json(envelope.wrap(fmt.chunk_object, choices=[], usage=usage(prompt_tokens, finals)))
+    yield "[DONE]"

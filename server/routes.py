@@ -1,0 +1,189 @@
+"""HTTP routes: OpenAI completions and chat, models, health, metrics.
+
+A route validates and tokenizes on the event loop, submits a `Job` to the
+scheduler, and answers with the collected JSON or an SSE stream. A client
+that goes away (stream or not) has its job cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+
+from specdec_core.sequence import Sequence
+
+from .responses import ChatFormat, CompletionFormat, Envelope, Format, collect, stream
+from .scheduler import Choice, Job, ModelInfo, Scheduler
+from .schemas import APIError, ChatRequest, CompletionRequest, SamplingRequest
+
+router = APIRouter()
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; it shows in requests_total
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 when ready; 503 while the models load, after loading failed, and while draining."""
+    scheduler: Scheduler = request.app.state.scheduler
+    body = {"status": scheduler.state} | ({"error": scheduler.error} if scheduler.error else {})
+    return JSONResponse(body, status_code=200 if scheduler.state == "ready" else 503)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    state = request.app.state
+    model = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdec"}
+    return {"object": "list", "data": [model]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    metrics = request.app.state.metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    model = _model(request, body)
+    prompts = _completion_prompts(body.prompt, model)
+    for ids, _ in prompts:
+        _check_length(len(ids), body.max_tokens, model.context_length, "prompt")
+    echo_texts = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
+    fmt = CompletionFormat(logprobs=body.logprobs is not None, echo_texts=echo_texts)
+    echo_logprobs = body.echo and body.logprobs is not None
+    return await _run(request, body, [ids for ids, _ in prompts], body.max_tokens, body.logprobs, echo_logprobs, fmt)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    model = _model(request, body)
+    tokenizer = model.tokenizer
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        messages = [message.as_template_input() for message in body.messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as exc:  # the template itself rejects some conversations (e.g. roles out of order)
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    # Without a limit the completion may fill the rest of the context, as OpenAI's does.
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(model.context_length - len(ids), 1)
+    _check_length(len(ids), max_tokens, model.context_length, "messages")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await _run(request, body, [list(ids)], max_tokens, top_logprobs, False, ChatFormat(logprobs=body.logprobs))
+
+
+def _model(request: Request, body: SamplingRequest) -> ModelInfo:
+    """The loaded target's info; 404 for another model's name, 503 until loaded."""
+    state = request.app.state
+    if body.model != state.model_name:
+        message = f"the model {body.model!r} does not exist; this server serves {state.model_name!r}"
+        raise APIError(404, message, param="model", code="model_not_found")
+    scheduler: Scheduler = state.scheduler
+    if scheduler.model is None:
+        message = f"the server is {scheduler.state}; retry when /health answers 200"
+        raise APIError(503, message, type="server_error", code="unavailable")
+    return scheduler.model
+
+
+def _completion_prompts(prompt: str | list, model: ModelInfo) -> list[tuple[list[int], str]]:
+    """Token ids and text of each prompt (a string, strings, token ids, or lists of token ids)."""
+    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids, text = model.tokenizer.encode(item), item
+        else:
+            if any(not 0 <= token < model.vocab_size for token in item):
+                raise APIError(400, f"prompt token ids must lie in [0, {model.vocab_size})", param="prompt")
+            ids, text = list(item), model.tokenizer.decode(item)
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        prompts.append((ids, text))
+    return prompts
+
+
+def _check_length(prompt_tokens: int, max_tokens: int, context: int, param: str) -> None:
+    if prompt_tokens + max_tokens > context:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {context} tokens, but {prompt_tokens + max_tokens} were requested "
+            f"({prompt_tokens} in the prompt, {max_tokens} to generate); shorten the prompt or lower max_tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def _run(
+    request: Request,
+    body: SamplingRequest,
+    prompts: list[list[int]],
+    max_tokens: int,
+    top_logprobs: int | None,
+    echo_logprobs: bool,
+    fmt: Format,
+) -> Response:
+    """Submit n sequences per prompt as one job; answer with JSON or an SSE stream."""
+    scheduler: Scheduler = request.app.state.scheduler
+    envelope = Envelope(fmt.prefix, request.app.state.model_name)
+    choices = []
+    for ids in prompts:
+        for i in range(body.n):
+            index = len(choices)
+            params = body.sampling(i, scheduler.model.vocab_size)
+            seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs)
+            choices.append(Choice(index, seq, body.stop, echo_logprobs))
+    job = Job(choices)
+    scheduler.submit(job)
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    if body.stream:
+        return _streamed(scheduler, job, stream(job, fmt, envelope, prompt_tokens, body.stream_options.include_usage))
+    return await _collected(request, scheduler, job, collect(job, fmt, envelope, prompt_tokens))
+
+
+def _streamed(scheduler: Scheduler, job: Job, events: AsyncIterator[str]) -> EventSourceResponse:
+    """An SSE response; the job is cancelled however the stream ends early."""
+
+    async def cancel_when_closed() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:  # a failed send, or cancellation once the generator has started
+            scheduler.cancel(job)
+
+    async def on_disconnect(message: object) -> None:  # also when the client leaves before the first event
+        scheduler.cancel(job)
+
+    return EventSourceResponse(
+        cancel_when_closed(),
+        sep="\n",
+        client_close_handler_callable=on_disconnect,
+        # Past SIGTERM sse-starlette would cut streams at once; the scheduler ends them after its grace.
+        shutdown_grace_period=scheduler.settings.shutdown_grace_s + 5,
+    )
+
+
+async def _collected(request: Request, scheduler: Scheduler, job: Job, result: Awaitable[dict]) -> Response:
+    """The JSON response, unless the client disconnects first: then the job is cancelled."""
+    collector = asyncio.ensure_future(result)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not collector.done():  # the client left (or the server is cancelling this handler)
+            collector.cancel()
+            scheduler.cancel(job)
+    if collector.cancelled():
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(collector.result())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client disconnects (the body has been read, so only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,369 @@
+"""The scheduler: a bounded queue in front of one worker thread that owns the engine.
+
+The event loop submits a `Job` (one HTTP request: n sequences per prompt) and
+reads its `Update`s from an asyncio queue that the worker feeds through
+`loop.call_soon_threadsafe`. The worker loads the models, then loops:
+drop cancelled sequences, admit waiting ones into free batch slots (prefill),
+run one engine step, and turn each row's new tokens into released text
+(incremental detokenization, stop strings) and metrics. Only the worker
+touches the engine; the event loop gets a tokenizer copy of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec_core.config import ServerConfig
+from specdec_core.engine import Engine
+from specdec_core.sequence import Sequence, SpecStats
+
+from .detokenize import Piece, TextOutput
+from .metrics import Metrics
+from .schemas import APIError
+
+log = logging.getLogger("specdec.server")
+
+
+@dataclass
+class Logprob:
+    """The target's log-probability of a token, and the top alternatives at its position."""
+
+    token: str
+    logprob: float | None  # None for the first prompt token, which nothing predicts
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class TokenOut:
+    """One released token: its text (possibly cut by a stop string) and, when asked, its logprobs."""
+
+    text: str
+    offset: int  # where text starts in the choice's output text
+    logprob: Logprob | None = None
+
+
+@dataclass
+class Update:
+    """What one choice got since the last update."""
+
+    index: int
+    tokens: list[TokenOut] = field(default_factory=list)
+    admitted: bool = False  # first update of a choice: it joined the batch
+    prompt_logprobs: list[Logprob] | None = None  # with admitted, when echo with logprobs was asked
+    finish_reason: str | None = None
+    completion_tokens: int = 0  # with finish_reason: tokens delivered, stop strings excluded
+    stats: SpecStats | None = None  # with finish_reason
+
+
+@dataclass
+class Choice:
+    """One sequence of a job, as the client will see it."""
+
+    index: int
+    seq: Sequence
+    stop: list[str]
+    echo_logprobs: bool = False
+    output: TextOutput | None = None  # made on admission, by the worker
+    last_token_at: float | None = None
+
+
+class Job:
+    """One HTTP request in flight: its choices and the queue its updates arrive on."""
+
+    def __init__(self, choices: list[Choice]):
+        self.choices = choices
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Update | APIError] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.cancelled = False
+        self.unadmitted = deque(choices)
+        self.unfinished = len(choices)
+        self.first_token_at: float | None = None
+
+    def post(self, item: Update | APIError) -> None:
+        """Hand an update to the event loop (called from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is listening any more
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Updates until every choice has finished; raises the APIError that failed the job."""
+        unfinished = len(self.choices)
+        while unfinished:
+            item = await self.events.get()
+            if isinstance(item, APIError):
+                raise item
+            unfinished -= item.finish_reason is not None
+            yield item
+
+
+@dataclass
+class ModelInfo:
+    """What the event loop needs to know about the loaded target."""
+
+    tokenizer: object  # a copy: the engine's own tokenizer belongs to the worker thread
+    vocab_size: int
+    context_length: int
+
+
+class Scheduler:
+    """Queue, continuous batching and the worker thread."""
+
+    def __init__(self, load: Callable[[], Engine], settings: ServerConfig, metrics: Metrics):
+        self._load = load
+        self.settings = settings
+        self.metrics = metrics
+        self.state = "loading"  # loading -> ready -> draining -> stopped, or loading -> failed
+        self.error: str | None = None
+        self.model: ModelInfo | None = None
+        self.engine: Engine | None = None
+        self.on_load_error: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="specdec-worker", daemon=True)
+        # Shared with the event loop, under the condition's lock:
+        self._cond = threading.Condition()
+        self._jobs: set[Job] = set()
+        self._waiting: deque[Job] = deque()
+        self._cancelled: list[Job] = []
+        self._deadline: float | None = None
+        self._stopping = False
+        # The worker's own: admitted sequences by id, with their job and choice.
+        self._active: dict[int, tuple[Job, Choice]] = {}
+
+    # -- event loop side -----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; 503 while loading or draining, 429 with Retry-After when the queue is full."""
+        with self._cond:
+            if self.state != "ready":
+                raise APIError(503, f"the server is {self.state}", type="server_error", code="unavailable")
+            if len(self._waiting) >= self.settings.max_queue:
+                raise APIError(
+                    429, f"the queue is full ({self.settings.max_queue} requests waiting); retry shortly",
+                    type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+                )
+            self._jobs.add(job)
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the worker frees the job's slots before its next step."""
+        with self._cond:
+            if job in self._jobs and not job.cancelled:
+                job.cancelled = True
+                self._cancelled.append(job)
+                self._cond.notify()
+
+    def drain(self, grace_s: float) -> None:
+        """Stop admitting; jobs in flight may finish within grace_s, then they are cancelled."""
+        with self._cond:
+            if self.state in ("loading", "ready"):
+                self.state = "draining"
+            deadline = time.monotonic() + grace_s
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+            self._cond.notify()
+
+    def shutdown(self) -> None:
+        """Drain (within the configured grace), then stop the worker thread."""
+        self.drain(self.settings.shutdown_grace_s)
+        with self._cond:
+            self._cond.wait_for(lambda: not self._jobs)
+            self._stopping = True
+            self._cond.notify()
+        if self.engine is not None:  # still loading: the daemon thread ends with the process
+            self._thread.join()
+        if self.state != "failed":
+            self.state = "stopped"
+
+    # -- worker side ---------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = self._load()
+        except Exception as exc:
+            log.exception("loading the models failed")
+            self.error, self.state = f"{type(exc).__name__}: {exc}", "failed"
+            if self.on_load_error:
+                self.on_load_error()
+            return
+        config = engine.target.config
+        self.model = ModelInfo(
+            tokenizer=copy.deepcopy(engine.target.tokenizer),
+            vocab_size=engine.target.vocab_size,
+            context_length=self.settings.max_model_len or config.max_position_embeddings,
+        )
+        self.engine = engine
+        with self._cond:
+            if self.state == "loading":
+                self.state = "ready"
+        log.info("ready: target %s, drafter %s, context %d tokens", engine.target.name, engine.method, self.model.context_length)
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except Exception as exc:
+                # Whatever broke (a step, a prefill's leftovers, this loop) broke the batch:
+                # fail its requests, keep the waiting ones, keep serving.
+                log.exception("the worker failed; failing the %d sequences in the batch", len(self.engine.seqs))
+                self._fail_batch(APIError(500, f"decoding failed: {exc}", type="server_error"))
+
+    def _iterate(self) -> bool:
+        """One round: cancel, expire, admit, step. False once it is time to stop."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._jobs or self._stopping)
+            if self._stopping:
+                return False
+            cancelled, self._cancelled = self._cancelled, []
+            expired = self._deadline is not None and time.monotonic() >= self._deadline
+        for job in cancelled:
+            log.info("client gone: cancelled a request, freed %d batch slots", self._drop(job))
+        if expired:
+            for job in list(self._jobs):
+                self._fail(job, APIError(503, "the server is shutting down", type="server_error", code="shutdown"))
+        for job, choice in self._take_admissible():
+            self._admit(job, choice)
+        if self.engine.seqs:
+            self._step()
+        self.metrics.running_requests.set(len({id(job) for job, _ in self._active.values()}))
+        return True
+
+    def _take_admissible(self) -> list[tuple[Job, Choice]]:
+        """Pop waiting choices, oldest job first, into the batch's free slots."""
+        free = self.settings.max_batch_size - len(self.engine.seqs)
+        taken = []
+        with self._cond:
+            while free > 0 and self._waiting:
+                job = self._waiting[0]
+                taken.append((job, job.unadmitted.popleft()))
+                free -= 1
+                if not job.unadmitted:
+                    self._waiting.popleft()
+            self.metrics.queue_depth.set(len(self._waiting))
+        return taken
+
+    def _admit(self, job: Job, choice: Choice) -> None:
+        """Prefill a choice's sequence into the batch."""
+        if job not in self._jobs:
+            return  # failed while this choice waited
+        seq = choice.seq
+        try:
+            prompt_logits = self.engine.add(seq)
+        except Exception as exc:
+            log.exception("prefill of %s failed", seq.request_id)
+            self._fail(job, APIError(500, f"prefill failed: {exc}", type="server_error"))
+            return
+        self._active[id(seq)] = (job, choice)
+        choice.output = TextOutput(self.engine.target.tokenizer, seq.prompt_ids, choice.stop)
+        prompt_logprobs = self._prompt_logprobs(seq, prompt_logits) if choice.echo_logprobs else None
+        job.post(Update(choice.index, admitted=True, prompt_logprobs=prompt_logprobs))
+        if seq.max_tokens == 0:  # echo-only scoring: the prompt was all that was asked
+            self.engine.remove([seq])
+            self._deliver(job, choice, [], "length")
+
+    def _step(self) -> None:
+        report = self.engine.step()
+        self.metrics.observe_step(report)
+        stopped = []
+        for row in report.rows:
+            job, choice = self._active[id(row.seq)]
+            pieces = []
+            for token in row.new_tokens:
+                pieces += choice.output.add(token)
+                if choice.output.stopped:
+                    break
+            if choice.output.stopped:
+                reason = "stop"
+                stopped.append(row.seq)
+            elif row.seq.finished:
+                pieces += choice.output.finish()
+                reason = row.seq.finish_reason
+            else:
+                reason = None
+            self._deliver(job, choice, pieces, reason)
+        self.engine.remove(stopped)  # a stop string ended them; the engine did not know
+
+    def _deliver(self, job: Job, choice: Choice, pieces: list[Piece], reason: str | None) -> None:
+        """Post released tokens (and the finish, if any) to the job; record token timings."""
+        now = time.monotonic()
+        if pieces:
+            if job.first_token_at is None:
+                job.first_token_at = now
+                self.metrics.ttft.observe(now - job.arrival)
+            # Tokens accepted in one step reach the client together: their gaps are 0.
+            gaps = ([now - choice.last_token_at] if choice.last_token_at is not None else []) + [0.0] * (len(pieces) - 1)
+            for gap in gaps:
+                self.metrics.itl.observe(gap)
+            choice.last_token_at = now
+        update = Update(choice.index, [self._token_out(choice.seq, piece) for piece in pieces])
+        if reason is not None:
+            update.finish_reason = reason
+            update.completion_tokens = choice.output.released
+            update.stats = choice.seq.stats
+            del self._active[id(choice.seq)]
+            job.unfinished -= 1
+        job.post(update)
+        if job.unfinished == 0:
+            self.metrics.request_latency.observe(now - job.arrival)
+            self._forget(job)
+
+    def _token_out(self, seq: Sequence, piece: Piece) -> TokenOut:
+        if seq.top_logprobs is None:
+            return TokenOut(piece.text, piece.offset)
+        logprob = self._logprob(piece.token_id, seq.token_logprobs[piece.position], seq.top_logprob_ids[piece.position])
+        return TokenOut(piece.text, piece.offset, logprob)
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[Logprob]:
+        """The target's logprobs of each prompt token given the ones before it (echo)."""
+        logprobs = logits.log_softmax(dim=-1)
+        out = [self._logprob(seq.prompt_ids[0], None, [])]
+        for j, token in enumerate(seq.prompt_ids[1:]):
+            top = logprobs[j].topk(seq.top_logprobs) if seq.top_logprobs else None
+            alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top else []
+            out.append(self._logprob(token, float(logprobs[j, token]), alternatives))
+        return out
+
+    def _logprob(self, token: int, logprob: float | None, top: list[tuple[int, float]]) -> Logprob:
+        decode = self.engine.target.tokenizer.decode
+        return Logprob(decode([token]), logprob, [(decode([t]), value) for t, value in top])
+
+    def _drop(self, job: Job) -> int:
+        """Remove a job's sequences from the batch and forget the job; returns the slots freed."""
+        mine = [choice.seq for choice in job.choices if id(choice.seq) in self._active]
+        self.engine.remove(mine)
+        for seq in mine:
+            del self._active[id(seq)]
+        self._forget(job)
+        return len(mine)
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        self._drop(job)
+        job.post(error)
+
+    def _fail_batch(self, error: APIError) -> None:
+        """Fail every job with a sequence in the batch, and empty the batch (its state is suspect)."""
+        self.engine.remove(list(self.engine.seqs))  # empties the caches without reading them
+        jobs = {id(job): job for job, _ in self._active.values()}
+        self._active.clear()
+        for job in jobs.values():
+            self._fail(job, error)
+
+    def _forget(self, job: Job) -> None:
+        with self._cond:
+            self._jobs.discard(job)
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify_all()  # shutdown() waits for the last job
