@@ -260,7 +260,7 @@ class Scheduler:
             return  # failed while this choice waited
         seq = choice.seq
         try:
-            prompt_logits = self.engine.add(seq)
+            prompt_logits = self.engine.add(seq, prompt_logits=choice.echo_logprobs)
         except Exception as exc:
             log.exception("prefill of %s failed", seq.request_id)
             self._fail(job, APIError(500, f"prefill failed: {exc}", type="server_error"))

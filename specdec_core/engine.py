@@ -62,8 +62,8 @@ class Engine:
     def method(self) -> str:
         return self.drafter.name if self.drafter else "none"
 
-    def add(self, seq: Sequence) -> torch.Tensor:
-        """Prefill a new sequence into the batch; returns the prompt's logits [len-1, V] (for echo logprobs)."""
+    def add(self, seq: Sequence, prompt_logits: bool = False) -> torch.Tensor | None:
+        """Prefill a new sequence into the batch; with prompt_logits, returns the prompt's logits [len-1, V]."""
         if not seq.prompt_ids:
             raise ValueError("a prompt needs at least one token")
         seq.stats.method = self.method
@@ -72,7 +72,7 @@ class Engine:
             seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
             for token in seq.output_ids:
                 seq.counts[token] += 1
-        row, logits = self.target.prefill(seq.tokens[:-1])
+        row, logits = self.target.prefill(seq.tokens[:-1], all_logits=prompt_logits)
         self.target.append_rows(self.cache, row)
         if self.drafter:
             try:
@@ -82,7 +82,7 @@ class Engine:
                 self.target.remove_rows(self.cache, list(range(len(self.seqs))))
                 raise
         self.seqs.append(seq)
-        return logits
+        return logits if prompt_logits else None
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Drop sequences from the batch (finished, cancelled or disconnected)."""

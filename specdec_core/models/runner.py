@@ -187,6 +187,7 @@ class ModelRunner:
         depths: torch.Tensor | None = None,
         hidden_states: bool = False,
         commit: bool = False,
+        last_logits_only: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run `input_ids` [B, k] against the cache; return logits [B, k, V] (float32).
 
@@ -195,7 +196,9 @@ class ModelRunner:
         0..k-1). The new slots are written as pending: call `commit` with the
         slots to keep, or pass commit=True to keep them all. With
         hidden_states=True also returns every layer's hidden states
-        (embeddings first, as transformers does).
+        (embeddings first, as transformers does). last_logits_only skips the
+        output layer for all but the last position (a long prefill's logits
+        would cost vocab x length floats).
         """
         batch, k = input_ids.shape
         if batch != cache.batch_size and cache.batch_size != 0:
@@ -217,18 +220,20 @@ class ModelRunner:
             cache=cache.kv,
             use_cache=True,
             output_hidden_states=hidden_states,
+            logits_to_keep=1 if last_logits_only else 0,
         )
         cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=self.device)], dim=1)
         if commit:
             self.commit(cache, torch.ones(batch, k, dtype=torch.bool, device=self.device))
         return out.logits.float(), (out.hidden_states if hidden_states else None)
 
-    def prefill(self, token_ids: list[int]) -> tuple[BatchCache, torch.Tensor]:
-        """A one-row cache holding `token_ids`, and their logits [len, V]."""
+    def prefill(self, token_ids: list[int], all_logits: bool = False) -> tuple[BatchCache, torch.Tensor]:
+        """A one-row cache holding `token_ids`, and their logits: [len, V] with all_logits, else the last [1, V]."""
         cache = self.empty_cache()
         if not token_ids:
             cache.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
             cache.lengths = torch.zeros(1, dtype=torch.long, device=self.device)
             return cache, torch.zeros(0, self.vocab_size, device=self.device)
-        logits, _ = self.forward(cache, torch.tensor([token_ids], device=self.device), commit=True)
+        ids = torch.tensor([token_ids], device=self.device)
+        logits, _ = self.forward(cache, ids, commit=True, last_logits_only=not all_logits)
         return cache, logits[0]
