@@ -12,7 +12,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import start_http_server
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from specdec_core.build import build_engine
 from specdec_core.config import Config
@@ -21,26 +23,47 @@ from .metrics import Metrics, RequestCounter
 from .routes import router
 from .scheduler import Scheduler
 from .schemas import APIError, validation_error
+from .security import ApiKeys, Guard, RateLimiter, load_keys
+
+log = logging.getLogger("specdec.server")
 
 
 def create_app(config: Config, drafter: str | None = None) -> FastAPI:
     """An app serving `config`'s target (with `drafter` overriding the config's); models load on startup."""
     metrics = Metrics()
     scheduler = Scheduler(lambda: build_engine(config, drafter=drafter), config.server, metrics)
+    security = config.security
+    keys = ApiKeys(load_keys(security))
+    log.info("API keys: %d%s", len(keys), "" if keys else " (the API is open to all who reach it)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
+        if security.metrics == "port":
+            app.state.metrics_listener, _ = start_http_server(security.metrics_port, config.server.host, metrics.registry)
         yield
         await asyncio.to_thread(scheduler.shutdown)
+        if security.metrics == "port":  # after the drain, which is worth watching
+            app.state.metrics_listener.shutdown()
+            app.state.metrics_listener.server_close()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.model_name = config.server.served_model_name or config.model.target
     app.state.created = int(time.time())
+    app.state.limits = security.limits
+    app.state.limiter = RateLimiter(security.rate_limit, metrics)
     app.include_router(router)
+    # The last added runs first: CORS answers preflights before the guard asks them for a key (and
+    # adds its headers to the guard's refusals); the counter sees the guard's 401, 413 and 429.
+    app.add_middleware(Guard, settings=security, keys=keys, limiter=app.state.limiter)
     app.add_middleware(RequestCounter, metrics=metrics)
+    if security.cors_origins:
+        # Any header: the origin is the check; keys travel in a header, never in cookies (no credentials).
+        app.add_middleware(
+            CORSMiddleware, allow_origins=security.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]
+        )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(HTTPException, _http_error)

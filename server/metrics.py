@@ -66,6 +66,10 @@ class Metrics:
         )
         self.queue_depth = gauge("queue_depth", "Requests waiting for a batch slot")
         self.running_requests = gauge("running_requests", "Requests with sequences in the batch")
+        # By the budget spent only: a client label would be unbounded, and name keys.
+        self.rate_limited = counter(
+            "rate_limited_total", "Requests refused by a per-client budget (requests or tokens)", ("reason",)
+        )
         self._windows: dict[str, deque[tuple[int, int]]] = defaultdict(lambda: deque(maxlen=ACCEPTANCE_WINDOW))
 
     def observe_step(self, report: StepReport) -> None:

@@ -17,8 +17,9 @@ from sse_starlette import EventSourceResponse
 from specdec_core.sequence import Sequence
 
 from .responses import ChatFormat, CompletionFormat, Envelope, Format, collect, stream
-from .scheduler import Choice, Job, ModelInfo, Scheduler
+from .scheduler import Choice, ModelInfo, Scheduler
 from .schemas import APIError, ChatRequest, CompletionRequest, SamplingRequest
+from .security import MeteredJob, check_prompt_tokens, check_request
 
 router = APIRouter()
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; it shows in requests_total
@@ -48,7 +49,9 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     model = _model(request, body)
+    check_request(request.app.state.limits, body)
     prompts = _completion_prompts(body.prompt, model)
+    check_prompt_tokens(request.app.state.limits, sum(len(ids) for ids, _ in prompts), "prompt")
     for ids, _ in prompts:
         _check_length(len(ids), body.max_tokens, model.context_length, "prompt")
     echo_texts = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
@@ -60,6 +63,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     model = _model(request, body)
+    limits = request.app.state.limits
+    check_request(limits, body)
     tokenizer = model.tokenizer
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -68,8 +73,10 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     except Exception as exc:  # the template itself rejects some conversations (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    # Without a limit the completion may fill the rest of the context, as OpenAI's does.
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(model.context_length - len(ids), 1)
+    check_prompt_tokens(limits, len(ids), "messages")
+    # Without a limit the completion may fill the rest of the context, as OpenAI's does, up to the server's limit.
+    rest = min(max(model.context_length - len(ids), 1), limits.max_tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens or rest
     _check_length(len(ids), max_tokens, model.context_length, "messages")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await _run(request, body, [list(ids)], max_tokens, top_logprobs, False, ChatFormat(logprobs=body.logprobs))
@@ -137,7 +144,7 @@ async def _run(
             params = body.sampling(i, scheduler.model.vocab_size)
             seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs)
             choices.append(Choice(index, seq, body.stop, echo_logprobs))
-    job = Job(choices)
+    job = MeteredJob(choices, request.app.state.limiter, request.state.client)
     scheduler.submit(job)
     prompt_tokens = sum(len(ids) for ids in prompts)
     if body.stream:

@@ -81,10 +81,10 @@ class SamplingRequest(Schema):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # upper bounds of n, stop and top_logprobs: config (security.limits), server/security.py
     stream: bool = False
     stream_options: StreamOptions = Field(default_factory=StreamOptions)
-    stop: Annotated[list[str], BeforeValidator(_as_list), Field(max_length=4)] = Field(default_factory=list)
+    stop: Annotated[list[str], BeforeValidator(_as_list)] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -143,7 +143,7 @@ class ChatRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
 
     @field_validator("top_logprobs")
     @classmethod

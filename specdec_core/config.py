@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DRAFTERS = ("none", "draft-model", "ngram")
 
@@ -17,9 +17,26 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     target: str = Field("smollm2-135m", description="Registry name, local model directory, hub id, or tiny-random-<family>[@seed]")
-    dtype: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="Weight and activation dtype")
+    dtype: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="Activation dtype, and the weights' unless `weights` quantizes them")
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     threads: int | None = Field(None, description="CPU threads for torch; null keeps torch's default")
+    weights: Literal["int4", "int8", "bf16", "fp32", "fp16"] | None = Field(
+        None,
+        description="Precision of the linear layers' weights (target and draft model); `dtype` stays the activation "
+        "dtype. int4 (group-wise: a scale and a zero per 32 weights) and int8 (a scale per output channel) are "
+        "weight-only quantization: the kernels dequantize on the fly and compute in `dtype`, so int4 on CUDA needs "
+        "dtype bf16. Layers a kernel cannot take fall back to the next wider precision (logged). null, or the same "
+        "name as `dtype`, keeps the weights unquantized in `dtype`. Embeddings stay in `dtype`. Packed weights of "
+        "registry models are cached next to them. Measurements: docs/QUANT.md",
+    )
+
+    @model_validator(mode="after")
+    def _float_weights_are_the_dtype(self) -> "ModelConfig":
+        # Unquantized weights are stored in the activation dtype: there is no mixed float mode.
+        if self.weights not in (None, "int4", "int8", self.dtype):
+            raise ValueError(f"weights {self.weights} with dtype {self.dtype}: float weights are kept in dtype; "
+                             f"set dtype: {self.weights} instead, or weights: int8 / int4")
+        return self
 
 
 class NgramConfig(Section):
@@ -47,10 +64,53 @@ class ServerConfig(Section):
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
 
 
+class LimitsConfig(Section):
+    max_body_bytes: int = Field(4 * 2**20, ge=1, description="Largest request body; larger ones get 413 while they arrive")
+    max_prompt_tokens: int = Field(65536, ge=1, description="Most prompt tokens in one request, all prompts together")
+    max_tokens: int = Field(16384, ge=1, description="Largest max_tokens / max_completion_tokens; also caps chat's default")
+    max_n: int = Field(16, ge=1, description="Largest n (choices per prompt)")
+    max_stop: int = Field(4, ge=0, description="Most stop strings per request")
+    max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries")
+    max_messages: int = Field(1024, ge=1, description="Most chat messages per request")
+    max_top_logprobs: int = Field(
+        20, ge=0, description="Largest chat top_logprobs and completions logprobs (the API caps the latter at 5)"
+    )
+
+
+class RateLimitConfig(Section):
+    requests_per_minute: int | None = Field(
+        6000, ge=1, description="Requests per client per minute (a token bucket of this size); null: unlimited"
+    )
+    tokens_per_minute: int | None = Field(
+        1_000_000, ge=1, description="Generated tokens per client per minute; a client in debt waits for the refill; null: unlimited"
+    )
+
+
+class SecurityConfig(Section):
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys accepted as 'Authorization: Bearer KEY'; none here, in api_key_file or in $SPECDEC_API_KEY: open",
+    )
+    api_key_file: str | None = Field(None, description="A file of further keys, one per line (# starts a comment)")
+    metrics: Literal["open", "key", "port"] = Field(
+        "open", description="/metrics is open, needs a key like /v1/*, or is served only on metrics_port"
+    )
+    metrics_port: int = Field(9464, ge=0, description="With metrics: port, the metrics listener's port on server.host (0: any free)")
+    cors_origins: list[str] = Field(
+        default_factory=list, description="Origins browsers may call from (CORS); empty turns CORS off, ['*'] allows any"
+    )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request size limits, each answered with a 4xx naming it")
+    rate_limit: RateLimitConfig = Field(
+        default_factory=RateLimitConfig, description="Per-client budgets (per key, else per address); 429 with Retry-After"
+    )
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The target model")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Drafting and control")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server and scheduler")
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description="API keys, request limits, rate limits, CORS")
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":
