@@ -1,0 +1,214 @@
+"""The proof: speculative sampling through the real Engine is distributed exactly as sampling the target.
+
+A tiny random target over a 12-token vocabulary makes the target's own
+distribution of the first three generated tokens computable exactly (one
+forward over all 144 two-token continuations). Thousands of rows, each with
+its own seed, decode three tokens in one batch through Engine.step with a
+fixed gamma, so every step speculates; the empirical distributions of each
+position and of the first two tokens jointly must pass a chi-square test
+against the exact ones, and tokens of probability zero (outside top-p) must
+never appear. Negative controls run the same test on wrong rules (no residual
+correction; a bonus token drawn at the wrong position) and must fail it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec_core import engine as engine_module
+from specdec_core.control import Controller
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.drafters.ngram import NgramDrafter, lookup
+from specdec_core.engine import Engine
+from specdec_core.sampling import SamplingParams, make_generator, sample, to_probs
+from specdec_core.sequence import Sequence
+from specdec_core.verify import verify_sampled
+
+from .helpers import tiny_runner
+from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
+
+VOCAB = 12
+ROWS = 10_000  # enough to see 2% of probability moved between the two likeliest tokens (checked below)
+ALPHA = 1e-3  # a p-value below this fails
+TOKENS = 3
+PROMPTS = {
+    "draft-model": [1, 2, 3, 4, 5],
+    # The 8 at the end recurs at the start, so the n-gram drafter proposes 7, 9, 8 (p(7) is about 0.5).
+    "ngram": [8, 7, 9, 8],
+}
+PARAMS = {
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7-top_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    # Penalties make p and q depend on the tokens drafted so far in the step (running counts).
+    "t1-penalties": SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.4),
+}
+# Every drafter with every setting, except n-gram with penalties: the draft model covers the
+# engine's running counts and its own, and each case costs seconds.
+CASES = [(d, p) for d in PROMPTS for p in PARAMS if (d, p) != ("ngram", "t1-penalties")]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_runner(seed=0, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_runner(seed=1, vocab=VOCAB)
+
+
+def make_drafter(name: str, draft):
+    return DraftModelDrafter(draft, VOCAB) if name == "draft-model" else NgramDrafter()
+
+
+@dataclass
+class Exact:
+    """The target's exact distributions of the first generated tokens."""
+
+    first: np.ndarray  # [V]
+    pair: np.ndarray  # [V, V]: first two jointly
+    second: np.ndarray  # [V]
+    third: np.ndarray  # [V]
+
+
+@torch.no_grad()
+def exact(target, prompt: list[int], params: SamplingParams) -> Exact:
+    n = len(prompt)
+    contexts = torch.tensor([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+    logits = target.model(input_ids=contexts).logits.double()[:, n - 1 :].reshape(VOCAB, VOCAB, 3, VOCAB)
+    # Output counts before each generated token: none, then token a, then a and b.
+    one_hot = torch.eye(VOCAB, dtype=torch.double)
+    counts = torch.stack([torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.double), one_hot[:, None].expand(-1, VOCAB, -1),
+                          one_hot[:, None] + one_hot[None, :]], dim=2)
+    probs = to_probs(logits.reshape(-1, VOCAB), params, counts.reshape(-1, VOCAB)).reshape(VOCAB, VOCAB, 3, VOCAB)
+    first = probs[0, 0, 0]  # after the prompt
+    pair = first[:, None] * probs[:, 0, 1]  # p(a) p(b | a)
+    third = torch.einsum("ab,abx->x", pair, probs[:, :, 2])
+    return Exact(first.numpy(), pair.numpy(), pair.sum(0).numpy(), third.numpy())
+
+
+def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
+    """Engine.add for many sequences of one prompt, in linear time.
+
+    Engine.add prefills one row and concatenates it to the batch, which is
+    quadratic over thousands of rows. Add the first for real, copy its cache
+    rows (remove_rows with a repeated index), and give each copy what add
+    gives a sequence: the method name, its own seeded generator and, with
+    penalties, its output counts.
+    """
+    engine.add(seqs[0])
+    rows = [0] * len(seqs)
+    engine.target.remove_rows(engine.cache, rows)
+    if engine.drafter:
+        engine.drafter.remove(rows)
+    for seq in seqs[1:]:
+        seq.stats.method = engine.method
+        seq.generator = make_generator(seq.params.seed, engine.target.device)
+        if seq.params.uses_counts:
+            seq.counts = torch.zeros_like(seqs[0].counts)
+    engine.seqs = list(seqs)
+
+
+def generate(target, drafter, prompt: list[int], params: SamplingParams, rows: int) -> tuple[np.ndarray, list[Sequence]]:
+    """Decode TOKENS tokens for `rows` seeded copies of `prompt` in one batch; returns tokens [rows, TOKENS]."""
+    controller = Controller(gamma_max=TOKENS, fixed_gamma=TOKENS, max_speculative_batch=rows)
+    engine = Engine(target, drafter, controller, eos_token_ids=set())
+    seqs = [Sequence(f"r{i}", list(prompt), replace(params, seed=i), TOKENS) for i in range(rows)]
+    add_rows(engine, seqs)
+    while engine.seqs:
+        engine.step()
+    assert all(len(seq.output_ids) == TOKENS for seq in seqs)
+    return np.array([seq.output_ids for seq in seqs]), seqs
+
+
+def chisquare_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit of counts to probabilities; cells expecting fewer than 5 are pooled."""
+    observed, probs = observed.ravel().astype(float), probs.ravel()
+    assert observed[probs == 0].sum() == 0, "a token of probability zero was drawn"
+    expected = probs * observed.sum()
+    small = (expected < 5) & (probs > 0)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[small].sum())
+    exp = np.append(expected[big], expected[small].sum())
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+def pvalues(tokens: np.ndarray, want: Exact) -> dict[str, float]:
+    def counts(column: np.ndarray) -> np.ndarray:
+        return np.bincount(column, minlength=VOCAB)
+
+    pair = np.bincount(tokens[:, 0] * VOCAB + tokens[:, 1], minlength=VOCAB * VOCAB)
+    return {
+        "first": chisquare_pvalue(counts(tokens[:, 0]), want.first),
+        "second": chisquare_pvalue(counts(tokens[:, 1]), want.second),
+        "third": chisquare_pvalue(counts(tokens[:, 2]), want.third),
+        "first two jointly": chisquare_pvalue(pair, want.pair),
+    }
+
+
+@pytest.mark.parametrize("drafter, setting", CASES)
+def test_speculative_sampling_is_distributed_as_the_target(target, draft, drafter, setting):
+    prompt, params = PROMPTS[drafter], PARAMS[setting]
+    tokens, seqs = generate(target, make_drafter(drafter, draft), prompt, params, ROWS)
+    drafted = sum(seq.stats.draft_tokens for seq in seqs)
+    accepted = sum(seq.stats.accepted_tokens for seq in seqs)
+    # Both branches of the rule ran many times: drafts kept, and drafts rejected and replaced.
+    assert 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted)
+    assert drafted >= ROWS
+    result = pvalues(tokens, exact(target, prompt, params))
+    assert min(result.values()) > ALPHA, result
+
+
+def no_residual(draft, q, p, generator):
+    """A wrong rule: on rejection, draw the replacement from p instead of norm(max(0, p - q))."""
+    accepted, emitted = verify_sampled(draft, q, p, generator)
+    if accepted < len(draft):
+        emitted[-1] = int(sample(p[accepted : accepted + 1], generator))
+    return accepted, emitted
+
+
+def stale_bonus(draft, q, p, generator):
+    """A wrong rule: when every draft is kept, draw the bonus from the last draft's position, not the next."""
+    accepted, emitted = verify_sampled(draft, q, p, generator)
+    if accepted == len(draft) > 0:
+        emitted[-1] = int(sample(p[accepted - 1 : accepted], generator))
+    return accepted, emitted
+
+
+@pytest.mark.parametrize(
+    "drafter, rule, rows",
+    [
+        ("draft-model", no_residual, ROWS // 4),
+        ("ngram", no_residual, ROWS // 4),
+        # Subtler: it only touches rows whose drafts were all kept, which the draft model's are often enough.
+        ("draft-model", stale_bonus, ROWS // 2),
+    ],
+)
+def test_negative_control_wrong_rules_fail(target, draft, drafter, rule, rows, monkeypatch):
+    monkeypatch.setattr(engine_module, "verify_sampled", rule)
+    prompt, params = PROMPTS[drafter], PARAMS["t1"]
+    tokens, _ = generate(target, make_drafter(drafter, draft), prompt, params, rows)
+    result = pvalues(tokens, exact(target, prompt, params))
+    assert min(result.values()) < ALPHA * 1e-3, result  # fails the test above, by a wide margin
+
+
+def test_ngram_prompt_proposes():
+    assert lookup(PROMPTS["ngram"], 1, 3, TOKENS) == [7, 9, 8]
+
+
+@pytest.mark.parametrize("drafter, setting", CASES)
+def test_sample_size_detects_a_two_percent_shift(target, drafter, setting):
+    """Power of each marginal test against 2% of probability moved between its two likeliest tokens."""
+    want = exact(target, PROMPTS[drafter], PARAMS[setting])
+    for probs in (want.first, want.second, want.third):
+        top = np.sort(probs)[::-1]
+        cells = int((probs * ROWS >= 5).sum())
+        noncentrality = ROWS * 0.02**2 * (1 / top[0] + 1 / top[1])
+        critical = stats.chi2.ppf(1 - ALPHA, cells - 1)
+        assert stats.ncx2.sf(critical, cells - 1, noncentrality) > 0.9
