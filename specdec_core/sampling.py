@@ -75,8 +75,9 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor 
     if params.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        # Drop a token when the tokens before it already reach top_p; the first always stays (even at top_p 0).
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        drop[..., 0] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits.softmax(dim=-1)
 
