@@ -135,7 +135,8 @@ class Engine:
             emitted = self._emit(seq, tokens, logits[i])
             if length:
                 seq.stats.draft_tokens += length
-                seq.stats.accepted_tokens += accepted
+                # Drafts kept past a stop are never delivered, so usage does not count them.
+                seq.stats.accepted_tokens += min(accepted, len(emitted))
                 seq.stats.verify_steps += 1
                 seq.stats.gamma_sum += length
                 seq.stats.emitted_tokens += len(emitted)
