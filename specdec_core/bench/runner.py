@@ -1,0 +1,258 @@
+"""Executing benchmark runs: one method over one block of prompts, timed.
+
+All engine methods share one loaded target (and one draft model): the bench
+builds one engine per drafter kind and swaps in each method's own controller
+before its run, so `ngram` (adaptive) and `ngram:g4` (fixed) reuse the same
+engine but keep separate cost and acceptance measurements, as two servers
+would.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+
+from ..build import build_engine
+from ..config import Config
+from ..control import Controller
+from ..engine import Engine, StepReport
+from ..models.runner import ModelRunner
+from ..sampling import SamplingParams
+from ..sequence import Sequence as Seq
+from .prompts import Prompt, encode
+from .stats import PLAIN, adjacent_ratios, interleave
+
+ENGINE_DRAFTERS = ("ngram", "draft-model")
+HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
+_METHOD = re.compile(r"^(plain|none|ngram|draft-model)(?::g(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method as named on the command line: a drafter kind and an optional fixed gamma."""
+
+    label: str
+    drafter: str  # "none", an engine drafter, or one of HF_METHODS
+    fixed_gamma: int | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.drafter in HF_METHODS
+
+    @property
+    def adaptive(self) -> bool:
+        return self.drafter in ENGINE_DRAFTERS and self.fixed_gamma is None
+
+
+def parse_method(text: str) -> Method:
+    """`plain`, `ngram`, `draft-model` (adaptive gamma), or `ngram:g4`, `draft-model:g3` (fixed gamma)."""
+    if text in HF_METHODS:
+        return Method(text, text)
+    match = _METHOD.match(text.strip())
+    if not match:
+        raise ValueError(
+            f"unknown method {text!r}: use plain, ngram or draft-model, optionally with a fixed gamma as in ngram:g4"
+        )
+    name, gamma = match.groups()
+    if name in (PLAIN, "none"):
+        if gamma:
+            raise ValueError(f"{text!r}: plain decoding has no gamma")
+        return Method(PLAIN, "none")
+    if gamma is not None and int(gamma) < 1:
+        raise ValueError(f"{text!r}: a fixed gamma must be at least 1 (plain is gamma 0)")
+    return Method(text.strip(), name, int(gamma) if gamma else None)
+
+
+@dataclass
+class RecordingController(Controller):
+    """A controller that remembers the gamma it chose at each step, to report what it decided."""
+
+    chosen: list[int] = field(default_factory=list)
+
+    def choose(self, seqs: list[Seq]) -> int:
+        gamma = super().choose(seqs)
+        self.chosen.append(gamma)
+        return gamma
+
+
+@dataclass
+class Run:
+    """One method over one block of prompts (a single prompt, or a batch decoded together)."""
+
+    method: str
+    batch_size: int
+    block: int
+    prompts: list[Prompt]
+    outputs: list[list[int]]
+    wall_s: float  # prefill plus decoding, as a client would wait
+    prefill_s: float | None = None  # None for transformers' generate, which does not split it out
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    steps: int = 0
+    chosen_gammas: list[int] = field(default_factory=list)  # the adaptive controller's choice per step
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0  # row-steps that verified at least one draft token
+    gamma_sum: int = 0
+    emitted_in_verify: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    ratio: float | None = None  # tokens/s over the adjacent plain run(s)
+    decode_ratio: float | None = None
+    matches_plain: list[bool] | None = None  # per row: greedy output equals plain's (greedy runs only)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def decode_s(self) -> float | None:
+        return None if self.prefill_s is None else self.wall_s - self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.decode_s if self.decode_s else None
+
+    def add_step(self, report: StepReport) -> None:
+        self.steps += 1
+        self.draft_s += report.draft_s
+        self.verify_s += report.verify_s
+        for totals, counts in ((self.accepted_per_position, report.accepted_per_position),
+                               (self.drafted_per_position, report.drafted_per_position)):
+            totals.extend([0] * (len(counts) - len(totals)))
+            for j, n in enumerate(counts):
+                totals[j] += n
+
+
+class Bench:
+    """The loaded models and one engine per drafter kind; runs methods over prompts."""
+
+    def __init__(self, config: Config, methods: Sequence[Method], temperature: float, seed: int):
+        self.config = config
+        self.temperature = temperature
+        self.seed = seed
+        kinds = {m.drafter for m in methods if not m.external} | {"none"}
+        if "hf-assisted" in {m.drafter for m in methods}:
+            kinds.add("draft-model")  # its draft model is the assistant
+        plain = build_engine(config, drafter="none")
+        self.engines: dict[str, Engine] = {"none": plain}
+        for kind in sorted(kinds - {"none"}):
+            self.engines[kind] = build_engine(config, drafter=kind, target=plain.target)
+        spec = config.speculation
+        # Fixed-gamma methods may speculate at any batch size, so the sweep measures what
+        # speculation costs there; adaptive ones keep the config's cap, as the server would.
+        self.controllers = {
+            m.label: RecordingController(
+                gamma_max=max(spec.gamma_max, m.fixed_gamma or 0),
+                fixed_gamma=m.fixed_gamma,
+                max_speculative_batch=spec.max_speculative_batch if m.adaptive else 1 << 30,
+            )
+            for m in methods
+            if m.drafter in ENGINE_DRAFTERS
+        }
+        self._ids: dict[str, list[int]] = {}
+
+    @property
+    def target(self) -> ModelRunner:
+        return self.engines["none"].target
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if prompt.id not in self._ids:
+            self._ids[prompt.id] = encode(self.target.tokenizer, prompt.text)
+        return self._ids[prompt.id]
+
+    def params(self, prompt: Prompt) -> SamplingParams:
+        # A per-prompt seed: every method samples a prompt with the same seed, whatever the block.
+        return SamplingParams(temperature=self.temperature, seed=self.seed + zlib.crc32(prompt.id.encode()))
+
+    def run(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        if method.external:
+            return self._run_hf(method, prompts, max_tokens, block)
+        return self._run_engine(method, prompts, max_tokens, block)
+
+    def _run_engine(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        engine = self.engines[method.drafter]
+        controller = self.controllers.get(method.label)
+        if controller is not None:
+            engine.controller = controller
+            controller.chosen.clear()
+        seqs = [Seq(f"{method.label}/{p.id}", self.prompt_ids(p), self.params(p), max_tokens) for p in prompts]
+        start = time.perf_counter()
+        for seq in seqs:
+            engine.add(seq)
+        prefill_s = time.perf_counter() - start
+        run = Run(method.label, len(prompts), block, prompts, [], 0.0, prefill_s)
+        while engine.seqs:
+            run.add_step(engine.step())
+        run.wall_s = time.perf_counter() - start
+        run.outputs = [list(seq.output_ids) for seq in seqs]
+        run.chosen_gammas = list(controller.chosen) if controller else []
+        for seq in seqs:
+            stats = seq.stats
+            run.draft_tokens += stats.draft_tokens
+            run.accepted_tokens += stats.accepted_tokens
+            run.verify_steps += stats.verify_steps
+            run.gamma_sum += stats.gamma_sum
+            run.emitted_in_verify += stats.emitted_tokens
+        return run
+
+    def _run_hf(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        """transformers' own generate() on the same model objects: an outside reference, greedy, batch 1."""
+        if len(prompts) != 1:
+            raise ValueError("transformers' assisted generation decodes one prompt at a time")
+        spec = self.config.speculation
+        assistant, options = None, {}
+        if method.drafter == "hf-assisted":
+            assistant = self.engines["draft-model"].drafter.runner.model
+        else:
+            options = {"prompt_lookup_num_tokens": spec.gamma_max, "max_matching_ngram_size": spec.ngram.max_n}
+        eos = sorted(self.engines["none"].eos_token_ids)
+        # A fresh GenerationConfig: greedy, without penalties a model's saved config might carry.
+        generation = GenerationConfig(
+            do_sample=False, max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos[0], **options
+        )
+        ids = torch.tensor([self.prompt_ids(prompts[0])], device=self.target.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.target.model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=generation, assistant_model=assistant
+            )
+        wall_s = time.perf_counter() - start
+        return Run(method.label, 1, block, prompts, [out[0, ids.shape[1] :].tolist()], wall_s)
+
+
+def run_block(
+    bench: Bench,
+    methods: Sequence[Method],
+    prompts: list[Prompt],
+    max_tokens: int,
+    block: int,
+    plain_every: int,
+    on_run: Callable[[Run], None] = lambda run: None,
+) -> list[Run]:
+    """Every method once over the same prompts, interleaved with plain runs; ratios filled in."""
+    by_label = {m.label: m for m in methods}
+    order = interleave([m.label for m in methods], plain_every, rotate=block)
+    runs = []
+    for label in order:
+        runs.append(bench.run(by_label[label], prompts, max_tokens, block))
+        on_run(runs[-1])
+    ratios = adjacent_ratios(order, [r.tokens_per_s for r in runs])
+    decode_ratios = adjacent_ratios(order, [r.decode_tokens_per_s for r in runs])
+    reference = runs[0].outputs
+    for run, ratio, decode_ratio in zip(runs, ratios, decode_ratios):
+        run.ratio, run.decode_ratio = ratio, decode_ratio
+        # The block's first plain run is the reference; later plain runs check that plain is deterministic.
+        if bench.temperature == 0 and run is not runs[0]:
+            run.matches_plain = [a == b for a, b in zip(run.outputs, reference)]
+    return runs

@@ -1,0 +1,206 @@
+"""`specdec bench`: the statistics, the prompt selection, and a smoke run on the tiny random models."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from server.cli import main
+from specdec_core.bench.prompts import Prompt, load_prompts, stratified
+from specdec_core.bench.results import controller_checks, records
+from specdec_core.bench.runner import Method, Run, parse_method
+from specdec_core.bench.stats import adjacent_ratios, interleave, summary
+
+
+# -- measurement design and statistics ---------------------------------------
+
+
+def test_interleave_brackets_every_method_with_plain():
+    assert interleave(["plain", "a", "b"]) == ["plain", "a", "plain", "b", "plain"]
+    assert interleave(["a", "b", "c"], plain_every=2) == ["plain", "a", "b", "plain", "c", "plain"]
+    assert interleave(["plain"]) == ["plain"]
+
+
+def test_interleave_rotates_method_order_between_blocks():
+    assert interleave(["plain", "a", "b", "c"], rotate=1) == ["plain", "b", "plain", "c", "plain", "a", "plain"]
+    assert interleave(["a", "b"], rotate=2) == interleave(["a", "b"])
+
+
+def test_adjacent_ratios_divide_by_the_neighbouring_plain_runs():
+    labels = ["plain", "a", "plain", "b", "plain"]
+    ratios = adjacent_ratios(labels, [10.0, 30.0, 20.0, 10.0, 20.0])
+    assert ratios[1] == pytest.approx(30 / 15)  # bracketed: mean of both neighbours
+    assert ratios[3] == pytest.approx(10 / 20)
+    # Plain runs against the previous plain run: the noise floor.
+    assert ratios[0] is None and ratios[2] == pytest.approx(2.0) and ratios[4] == pytest.approx(1.0)
+
+
+def test_adjacent_ratios_with_one_plain_neighbour_or_no_rate():
+    ratios = adjacent_ratios(["plain", "a", "b", "plain"], [10.0, 20.0, None, 40.0])
+    assert ratios[1] == pytest.approx(2.0)  # only the plain run before it is adjacent
+    assert ratios[2] is None
+    assert adjacent_ratios(["a", "b"], [1.0, 2.0]) == [None, None]
+
+
+def test_summary_median_mean_and_range_skip_missing_values():
+    s = summary([1.0, None, 3.0, 2.0, 10.0])
+    assert s == {"median": 2.5, "mean": 4.0, "min": 1.0, "max": 10.0, "n": 4}
+    assert summary([None]) is None and summary([]) is None
+
+
+# -- prompts --------------------------------------------------------------------
+
+
+def _prompts(spec: dict[str, int]) -> list[Prompt]:
+    return [Prompt(f"{c}{i}", c, f"{c} question {i}") for c, n in spec.items() for i in range(n)]
+
+
+def test_stratified_takes_categories_round_robin_in_file_order():
+    pool = _prompts({"x": 3, "y": 1, "z": 2})
+    assert [p.id for p in stratified(pool, 3)] == ["x0", "y0", "z0"]
+    assert [p.id for p in stratified(pool, 5)] == ["x0", "y0", "z0", "x1", "z1"]  # y ran out: others fill in
+    assert len(stratified(pool, 100)) == 6
+
+
+def test_load_prompts_reads_prompt_or_first_turn(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        json.dumps({"question_id": 7, "category": "qa", "turns": ["first", "second"]}) + "\n\n"
+        + json.dumps({"prompt": "plain text"}) + "\n"
+    )
+    assert load_prompts(path) == [Prompt("7", "qa", "first"), Prompt("3", "default", "plain text")]
+
+
+def test_missing_prompts_file_names_the_option(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--prompts"):
+        load_prompts(tmp_path / "nope.jsonl")
+
+
+# -- methods and records ----------------------------------------------------------
+
+
+def test_parse_method_names_and_fixed_gamma():
+    assert parse_method("ngram") == Method("ngram", "ngram", None)
+    assert parse_method("draft-model:g3") == Method("draft-model:g3", "draft-model", 3)
+    assert parse_method("none") == Method("plain", "none")
+    assert parse_method("ngram").adaptive and not parse_method("ngram:g4").adaptive
+    for bad in ("medusa", "plain:g2", "ngram:g0", "ngram:4"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+def _run(method: str, block: int, ratio: float | None, **figures) -> Run:
+    return Run(method, 1, block, [Prompt(str(block), "c", "")], [[1, 2, 3]], wall_s=1.0, prefill_s=0.2,
+               ratio=ratio, decode_ratio=ratio, **figures)
+
+
+def test_records_pool_figures_and_controller_check_flags_a_slow_adaptive_method():
+    runs = [
+        _run("plain", 0, None), _run("plain", 1, None),
+        _run("ngram", 0, 0.90, draft_tokens=10, accepted_tokens=5, verify_steps=4, gamma_sum=10,
+             emitted_in_verify=9, chosen_gammas=[0, 2, 3], accepted_per_position=[3, 2], drafted_per_position=[4, 4],
+             matches_plain=[True]),
+        _run("ngram", 1, 0.80, draft_tokens=10, accepted_tokens=7, verify_steps=6, gamma_sum=12,
+             emitted_in_verify=13, chosen_gammas=[2], accepted_per_position=[4], drafted_per_position=[4],
+             matches_plain=[False]),
+        _run("ngram:g4", 0, 1.30), _run("ngram:g4", 1, 1.10),
+    ]
+    recs = records(runs, ["plain", "ngram", "ngram:g4"])
+    ngram = next(r for r in recs if r["method"] == "ngram" and r["category"] == "all")
+    assert ngram["acceptance_rate"] == pytest.approx(12 / 20)
+    assert ngram["mean_accepted_length"] == pytest.approx(22 / 10)
+    assert ngram["mean_gamma"] == pytest.approx(22 / 10)
+    assert ngram["speedup_vs_plain"]["median"] == pytest.approx(0.85)
+    assert ngram["speculative_step_fraction"] == pytest.approx(3 / 4)
+    assert ngram["controller_mean_gamma"] == pytest.approx(7 / 3)
+    assert ngram["greedy_match_rate"] == pytest.approx(0.5)
+    assert ngram["acceptance_by_position"] == [pytest.approx(7 / 8), pytest.approx(2 / 4)]
+    assert ngram["prompts"] == 2 and ngram["new_tokens"] == 6
+
+    methods = [parse_method(m) for m in ("plain", "ngram", "ngram:g4")]
+    (check,) = controller_checks(recs, methods)
+    assert check["best_alternative"] == "ngram:g4" and check["best_alternative_speedup"] == pytest.approx(1.2)
+    assert check["within_tolerance"] is False
+
+
+# -- smoke run ------------------------------------------------------------------------------------
+
+
+def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"category": "code", "prompt": "def add(a, b): return a + b. Write def sub(a, b) the same way."},
+        {"category": "chat", "turns": ["Say hello, then say hello again."]},
+        {"category": "code", "prompt": "for i in range(10): print(i)"},
+        {"category": "long", "prompt": "word " * 300},  # about 900 tokens: over --max-prompt-tokens
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--config", "configs/tiny-random.yaml", "--prompts", str(prompts),
+        "--drafters", "plain,ngram,ngram:g2,draft-model", "--baseline", "hf-assisted",
+        "--max-prompt-tokens", "200", "--max-tokens", "6", "--batch-sizes", "1,2", "--sweep-rows", "2", "--out", str(out),
+    ]
+    monkeypatch.setattr(sys, "argv", ["specdec", *argv])
+    assert main(argv) == 0
+
+    results = json.loads((out / "results.json").read_text())
+    header = results["header"]
+    assert header["command"].startswith("specdec bench --config configs/tiny-random.yaml")
+    assert {"cpu", "cores", "dtype", "torch", "transformers"} <= set(header["machine"])
+    assert header["config"]["model"]["target"] == "tiny-random-llama" and header["date"]
+    assert header["prompts"]["categories"] == ["code", "chat"] and header["prompts"]["left_out"] == ["long"]
+
+    keys = {(r["method"], r["batch_size"], r["category"]) for r in results["records"]}
+    methods = ["plain", "ngram", "ngram:g2", "draft-model", "hf-assisted", "hf-prompt-lookup"]
+    assert {(m, 1, c) for m in methods for c in ("all", "code", "chat")} <= keys
+    assert {(m, 2, "all") for m in methods[:4]} <= keys
+    assert not any(r["method"].startswith("hf-") and r["batch_size"] == 2 for r in results["records"])
+    required = {
+        "method", "batch_size", "category", "tokens_per_s", "speedup_vs_plain", "acceptance_rate",
+        "mean_accepted_length", "mean_gamma", "greedy_match_rate", "prompts", "new_tokens", "acceptance_by_position",
+    }
+    for rec in results["records"]:
+        assert required <= set(rec)
+        assert rec["tokens_per_s"] > 0
+        # fp32 tiny models: every method must reproduce plain greedy decoding exactly.
+        assert rec["greedy_match_rate"] in (None, 1.0)
+        if rec["method"] != "plain" and rec["batch_size"] == 1:
+            assert {"median", "mean"} <= set(rec["speedup_vs_plain"])
+    ngram2 = next(r for r in results["records"] if r["method"] == "ngram:g2" and r["batch_size"] == 1 and r["category"] == "all")
+    assert len(ngram2["acceptance_by_position"]) <= 2
+
+    assert results["sweep"]["completed"] == [2] and results["sweep"]["stopped"] is None
+    assert {c["method"] for c in results["controller"]} == {"ngram", "draft-model"}
+    assert {c["batch_size"] for c in results["controller"]} == {1, 2}
+
+    report = (out / "report.md").read_text()
+    for heading in ("## Batch 1, all categories", "## Speedup by category", "## Acceptance by draft position",
+                    "## Where the time goes", "## Batch sweep", "## Adaptive controller"):
+        assert heading in report
+    for png in ("speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_batch.png"):
+        assert (out / png).stat().st_size > 0
+        assert f"({png})" in report
+
+
+def test_bench_without_prompts_file_says_which_option_to_use(tmp_path):
+    with pytest.raises(SystemExit, match="--prompts"):
+        main(["bench", "--config", "configs/tiny-random.yaml", "--prompts", str(tmp_path / "missing.jsonl")])
+
+
+def test_bench_sweep_only_when_batch_size_1_is_not_asked_for(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"category": c, "prompt": f"{c}: print(1)"}) + "\n" for c in "ab"))
+    argv = [
+        "bench", "--config", "configs/tiny-random.yaml", "--prompts", str(prompts), "--drafters", "plain,ngram:g2",
+        "--max-tokens", "4", "--batch-sizes", "2", "--out", str(out),
+    ]
+    monkeypatch.setattr(sys, "argv", ["specdec", *argv])
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {r["batch_size"] for r in results["records"]} == {2}
+    assert results["plots"] == [] and results["header"]["prompts"]["count"] == 0
+    assert "## Batch 1" not in (out / "report.md").read_text()
