@@ -1,0 +1,93 @@
+"""The load generator (`python -m loadtest`) against real servers on loopback: a speculative and a plain one."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+
+import pytest
+
+from loadtest.__main__ import main
+from loadtest.report import percentiles
+from loadtest.runner import parse_target
+from tests.test_server import make_config, running
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """A speculative server and a plain one, as the load test compares them."""
+    with ExitStack() as stack:
+        spec = stack.enter_context(running(make_config(speculation={"gamma": 2})))
+        plain = stack.enter_context(running(make_config(speculation={"drafter": "none"})))
+        yield spec, plain
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    """A few prompts in Spec-Bench's format: only the first turn is sent."""
+    path = tmp_path / "question.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"{c} question {i}", "a second turn, never sent"]}
+            for i, c in enumerate(["writing", "coding", "math"])]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_only_loopback_targets_are_accepted():
+    assert parse_target("spec=http://127.0.0.1:8000/").url == "http://127.0.0.1:8000"
+    assert parse_target("http://localhost:8001").label == "localhost:8001"
+    assert parse_target("v6=http://[::1]:8002").label == "v6"
+    for url in ("http://10.0.0.1:8000", "http://192.168.1.2", "http://8.8.8.8", "ftp://127.0.0.1"):
+        with pytest.raises(ValueError):
+            parse_target(url)
+
+
+def test_percentiles():
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0])["p50"] == 3.0
+
+
+def test_concurrency_sweep_with_speculation_on_and_off(servers, prompts, tmp_path):
+    spec, plain = servers
+    out = tmp_path / "out"
+    argv = ["--url", f"spec={spec.url}", "--url", f"plain={plain.url}", "--baseline", "plain",
+            "--concurrency", "1,3", "--requests", "4", "--max-tokens", "8", "--prompts", str(prompts), "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    levels = results["levels"]
+    # Targets interleaved within each level.
+    assert [(lv["level"], lv["target"]) for lv in levels] == [(1, "spec"), (1, "plain"), (3, "spec"), (3, "plain")]
+    for lv in levels:
+        assert lv["sent"] == lv["ok"] == 4 and lv["errors"] == {}
+        assert 0 < lv["output_tokens"] <= 4 * 8 and lv["output_tokens_per_s"] > 0
+        assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"] and lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"]
+        assert lv["mean_batch_size"] >= 1
+    by_target = {lv["target"]: lv for lv in levels if lv["level"] == 1}
+    assert by_target["spec"]["speculative_step_share"] > 0 and by_target["plain"]["speculative_step_share"] == 0
+    assert by_target["spec"]["acceptance_rate"] is not None and by_target["plain"]["acceptance_rate"] is None
+    report = (out / "report.md").read_text()
+    assert report.startswith("`python -m loadtest --url spec=") and "| vs plain |" in report
+    assert len([line for line in report.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]) == 4
+    assert (out / "latency.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_rate_mode_and_rejections_are_counted(prompts, tmp_path):
+    # One slot and one queue place: a burst at a high rate must meet 429s, which count as errors.
+    with running(make_config(server={"max_batch_size": 1, "max_queue": 1})) as small:
+        argv = ["--url", small.url, "--rate", "1000", "--requests", "12", "--max-tokens", "16",
+                "--prompts", str(prompts), "--out", str(tmp_path)]
+        assert main(argv) == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert level["mode"] == "rate" and level["sent"] == 12
+    assert level["ok"] + level["errors"].get("HTTP 429", 0) == 12 and level["errors"].get("HTTP 429", 0) > 0
+
+
+def test_an_api_key_is_sent(prompts, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    with running(make_config(security={"api_keys": ["sesame"]})) as keyed:
+        argv = ["--url", keyed.url, "--concurrency", "2", "--requests", "2", "--max-tokens", "4",
+                "--prompts", str(prompts), "--out", str(tmp_path)]
+        with pytest.raises(RuntimeError, match="401"):  # /v1/models refuses the anonymous sweep before it starts
+            main(argv)
+        assert main([*argv, "--api-key", "sesame"]) == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert level["ok"] == 2
