@@ -83,9 +83,16 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     return _respond(validation_error(list(exc.errors())))
 
 
+# FastAPI's words for a body it could not decode (not UTF-8, nested too deeply) say nothing of why.
+_UNPARSED_BODY = "There was an error parsing the body"
+
+
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _respond(APIError(exc.status_code, str(exc.detail), type=kind))
+    message = str(exc.detail)
+    if message == _UNPARSED_BODY:
+        message = "the request body could not be parsed: send one JSON object, UTF-8 encoded, nested at most a few levels"
+    return _respond(APIError(exc.status_code, message, type=kind))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
