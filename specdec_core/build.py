@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
-from .config import Config, ModelConfig
+from torch import nn
+
+from .config import DRAFTERS, MODEL_DRAFTERS, Config, ModelConfig
 from .control import Controller
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.hybrid import HybridDrafter
+from .drafters.layer_skip import LayerSkipDrafter, default_k
 from .drafters.ngram import NgramDrafter
+from .drafters.quantized import QuantizedDrafter, quantized_copy
 from .engine import Engine
+from .models.quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
 from .models.runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
 from .models.tiny import is_tiny, tiny_model, tiny_tokenizer
+from .vocab import ReducedVocab, reduced_vocab
 
 log = logging.getLogger("specdec")
 
@@ -22,7 +30,20 @@ class TokenizerMismatch(ValueError):
 
 
 def load_runner(name: str, model: ModelConfig) -> ModelRunner:
-    """A runner for a registry name (pulled when missing), a local directory, a hub id, or a tiny random model."""
+    """A runner for a registry name (pulled when missing), a local directory, a hub id, or a tiny random model,
+    its linear layers quantized when `model.weights` asks for it."""
+    runner = _load_float_runner(name, model)
+    if model.weights in QUANTIZED:
+        from .models.registry import REGISTRY, model_dir
+
+        # Only registry models' directories are ours to write into; others are quantized on every start.
+        cache = cache_file(model_dir(name), model.weights, DEFAULT_GROUP_SIZE, runner.device) if name in REGISTRY else None
+        # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
+        quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
+    return runner
+
+
+def _load_float_runner(name: str, model: ModelConfig) -> ModelRunner:
     set_threads(model.threads)
     if is_tiny(name):
         tokenizer = tiny_tokenizer()
@@ -55,6 +76,21 @@ def check_same_tokenizer(target: ModelRunner, draft: ModelRunner) -> None:
         )
 
 
+def registry_dir(name: str) -> Path | None:
+    """A registry model's own cache directory (ours to write derived files into); None for other models."""
+    from .models.registry import REGISTRY, model_dir
+
+    return model_dir(name) if name in REGISTRY else None
+
+
+def _reducible(vocab: ReducedVocab | None, model: nn.Module) -> ReducedVocab | None:
+    """`vocab` if `model`'s output layer can be cut to it (a float nn.Linear), else None, logged."""
+    if vocab is not None and not isinstance(model.get_output_embeddings(), nn.Linear):
+        log.warning("speculation.vocab_size: the output layer is quantized; drafting over the full vocabulary")
+        return None
+    return vocab
+
+
 def build_drafter(config: Config, target: ModelRunner, drafter: str | None = None) -> Drafter | None:
     spec = config.speculation
     name = drafter or spec.drafter
@@ -62,13 +98,27 @@ def build_drafter(config: Config, target: ModelRunner, drafter: str | None = Non
         return None
     if name == "ngram":
         return NgramDrafter(spec.ngram.min_n, spec.ngram.max_n, spec.ngram.max_len)
-    if name == "draft-model":
-        if not spec.draft_model:
-            raise ValueError("drafter draft-model needs speculation.draft_model in the config")
-        draft = load_runner(spec.draft_model, config.model)
-        check_same_tokenizer(target, draft)
-        return DraftModelDrafter(draft, target.vocab_size)
-    raise ValueError(f"unknown drafter {name!r}; choose one of none, ngram, draft-model")
+    if name == "hybrid":
+        ngram = NgramDrafter(spec.hybrid.min_n, max(spec.hybrid.min_n, spec.ngram.max_n), spec.ngram.max_len)
+        return HybridDrafter(ngram, build_drafter(config, target, spec.hybrid.drafter))
+    if name not in MODEL_DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    cache_dir = registry_dir(config.model.target)
+    vocab = reduced_vocab(target.tokenizer, target.vocab_size, spec.vocab_size, cache_dir)
+    if name == "layer-skip":
+        k = spec.layer_skip.k or default_k(target.num_layers)
+        return LayerSkipDrafter(target, k, _reducible(vocab, target.model), spec.early_exit)
+    if name == "quantized":
+        draft = quantized_copy(target, spec.quantized.weights, vocab, cache_dir)
+        return QuantizedDrafter(draft, target.vocab_size, vocab, spec.early_exit)
+    if not spec.draft_model:
+        raise ValueError("drafter draft-model needs speculation.draft_model in the config")
+    draft = load_runner(spec.draft_model, config.model)
+    check_same_tokenizer(target, draft)
+    vocab = _reducible(vocab, draft.model)
+    if vocab is not None:
+        vocab.reduce_output(draft.model)
+    return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)
 
 
 def eos_ids(runner: ModelRunner) -> set[int]:

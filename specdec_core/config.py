@@ -8,7 +8,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DRAFTERS = ("none", "draft-model", "ngram")
+DRAFTERS = ("none", "draft-model", "ngram", "layer-skip", "quantized", "hybrid")
+MODEL_DRAFTERS = ("layer-skip", "draft-model", "quantized")  # drafters that run a model: the hybrid's choices
 
 
 class Section(BaseModel):
@@ -45,6 +46,19 @@ class NgramConfig(Section):
     max_len: int = Field(8, ge=1, description="Most tokens proposed from one match")
 
 
+class LayerSkipConfig(Section):
+    k: int | None = Field(None, ge=1, description="Target layers the layer-skip draft runs (the first k); null: 3/4 of them, rounded down. Measure with `python -m specdec_core.calibrate`")
+
+
+class QuantizedConfig(Section):
+    weights: Literal["int8", "int4"] = Field("int8", description="Weight precision of the target's copy that the quantized drafter runs")
+
+
+class HybridConfig(Section):
+    min_n: int = Field(2, ge=1, description="A row takes the n-gram proposal when its suffix matches earlier text for at least this many tokens")
+    drafter: Literal[MODEL_DRAFTERS] = Field("layer-skip", description="The model drafter for rows without such a match")
+
+
 class SpeculationConfig(Section):
     drafter: Literal[DRAFTERS] = Field("ngram", description="Drafting method; none decodes plainly")
     draft_model: str | None = Field(None, description="The draft-model drafter's model (same tokenizer as the target)")
@@ -52,6 +66,11 @@ class SpeculationConfig(Section):
     gamma: int | None = Field(None, ge=0, description="Fixed gamma; null lets the controller choose from measurements")
     max_speculative_batch: int = Field(16, ge=0, description="Batches larger than this always decode plainly")
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="n-gram / prompt-lookup settings")
+    early_exit: float = Field(0.0, ge=0, le=1, description="Model drafters stop a row's draft when their top probability falls under this; 0 never stops early")
+    vocab_size: int | None = Field(None, ge=1, description="Model drafters predict over the target's this many most frequent tokens (counted over Python's stdlib); null: all")
+    layer_skip: LayerSkipConfig = Field(default_factory=LayerSkipConfig, description="layer-skip (self-speculative) settings")
+    quantized: QuantizedConfig = Field(default_factory=QuantizedConfig, description="quantized-copy drafter settings")
+    hybrid: HybridConfig = Field(default_factory=HybridConfig, description="hybrid (n-gram, else a model drafter) settings")
 
 
 class ServerConfig(Section):

@@ -57,6 +57,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cache = target.empty_cache()
         self.seqs: list[Sequence] = []
+        if drafter:
+            drafter.attach(self.cache)
 
     @property
     def method(self) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.runner import BatchCache
 from ..sequence import Sequence
 
 
@@ -32,6 +33,9 @@ class Drafter(ABC):
     """Proposes draft tokens for a batch of sequences."""
 
     name: str
+
+    def attach(self, cache: BatchCache) -> None:
+        """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
 
     def add(self, seq: Sequence) -> None:
         """A new sequence joins as the last row."""

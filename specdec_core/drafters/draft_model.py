@@ -1,27 +1,110 @@
-"""A smaller model of the target's family drafts autoregressively.
+"""Drafting with a model: a smaller model of the target's family, and the shared loop of every model drafter.
 
-The draft keeps its own batched KV cache in the engine's row order. Its cache
-lags the sequence by the one or two tokens the target emitted last step; each
-proposal first catches up on those, then draws gamma tokens from q, the draft's
-distribution after the request's own sampling transforms.
+`ModelDrafter` draws up to gamma tokens per row from q, the draft's
+distribution after the request's own sampling transforms, one forward per
+token. Two settings apply to every model drafter:
+
+- Early exit: a row stops drafting for this step when the draft's top
+  probability for its next token falls under a threshold (for greedy rows,
+  the softmax of the adjusted logits; for sampled rows, q itself), so a step's
+  draft length adapts token by token under the controller's gamma. The stop
+  depends only on the draft's own outputs, so verification stays exact.
+- Reduced vocabulary (../vocab.py): logits over N tokens are widened to the
+  target's vocabulary with -inf outside the set before the transforms.
+
+`DraftModelDrafter` keeps its own batched KV cache in the engine's row order.
+Its cache lags the sequence by the one or two tokens the target emitted last
+step; each proposal first catches up on those.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from ..models.runner import ModelRunner
-from ..sampling import greedy_tokens, make_generator, running_counts, sample, to_probs
+from ..sampling import adjust_logits, make_generator, running_counts, sample, to_probs
 from ..sequence import Sequence
+from ..vocab import ReducedVocab
 from .base import Drafter, Proposal
 
 
-class DraftModelDrafter(Drafter):
+class ModelDrafter(Drafter):
+    """The draft loop shared by drafters that run a model; subclasses say how to get logits."""
+
+    def __init__(self, target_vocab: int, vocab: ReducedVocab | None = None, early_exit: float = 0.0):
+        self.target_vocab = target_vocab
+        self.vocab = vocab
+        self.early_exit = early_exit
+        self.forwarded = 0  # draft tokens fed back to the model in the last proposal
+
+    @abstractmethod
+    def _first_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V'] for each row's first draft token."""
+
+    @abstractmethod
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row's latest draft token [B, 1]; logits [B, V'] for the next one."""
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary: a reduced vocabulary widened, a padded output layer cut."""
+        if self.vocab is not None:
+            return self.vocab.expand(logits)
+        logits = logits[:, : self.target_vocab]
+        if logits.shape[-1] < self.target_vocab:
+            logits = torch.nn.functional.pad(logits, (0, self.target_vocab - logits.shape[-1]), value=float("-inf"))
+        return logits
+
+    def _q(self, logits: torch.Tensor, seq: Sequence, drafted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """A row's q [V_target] for its next draft token given the tokens drafted so far, and the draft's confidence."""
+        counts = running_counts(seq.counts, drafted, self.target_vocab)
+        counts = counts[-1:] if counts is not None else None
+        if seq.params.greedy:
+            adjusted = adjust_logits(logits[None], seq.params, counts)[0]
+            confidence = float(adjusted.softmax(-1).max()) if self.early_exit else 1.0
+            return torch.nn.functional.one_hot(adjusted.argmax(), self.target_vocab).float(), confidence
+        q = to_probs(logits[None], seq.params, counts)[0]
+        return q, float(q.max())
+
+    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+        logits = self.widen(self._first_logits(seqs))
+        drafted = torch.zeros(len(seqs), gamma, dtype=torch.long, device=logits.device)
+        probs = torch.zeros(len(seqs), gamma, self.target_vocab, device=logits.device)
+        lengths = [0] * len(seqs)
+        self.forwarded = 0
+        for j in range(gamma):
+            for i, seq in enumerate(seqs):
+                if lengths[i] < j:
+                    continue  # this row stopped earlier; its column stays a dummy token the model still reads
+                q, confidence = self._q(logits[i], seq, drafted[i, :j])
+                if confidence < self.early_exit:
+                    continue
+                probs[i, j] = q
+                drafted[i, j] = q.argmax() if seq.params.greedy else sample(q[None], self._generator(seq, q.device))
+                lengths[i] = j + 1
+            if max(lengths) <= j or j == gamma - 1:
+                break
+            logits = self.widen(self._next_logits(drafted[:, j : j + 1]))
+            self.forwarded += 1
+        width = max(lengths)
+        return Proposal(tokens=drafted[:, :width].cpu(), lengths=lengths, probs=probs[:, :width])
+
+    @staticmethod
+    def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+        # Draft draws use the request's own generator, so a seed fixes the whole completion.
+        if seq.generator is None:
+            seq.generator = make_generator(seq.params.seed, device)
+        return seq.generator
+
+
+class DraftModelDrafter(ModelDrafter):
     name = "draft-model"
 
-    def __init__(self, runner: ModelRunner, target_vocab: int):
+    def __init__(self, runner: ModelRunner, target_vocab: int, vocab: ReducedVocab | None = None, early_exit: float = 0.0):
+        """`runner`'s output layer must already be cut to `vocab` when one is given (ReducedVocab.reduce_output)."""
+        super().__init__(target_vocab, vocab, early_exit)
         self.runner = runner
-        self.target_vocab = target_vocab
         self.cache = runner.empty_cache()
 
     def add(self, seq: Sequence) -> None:
@@ -31,27 +114,10 @@ class DraftModelDrafter(Drafter):
     def remove(self, keep: list[int]) -> None:
         self.runner.remove_rows(self.cache, keep)
 
-    def _q(self, logits: torch.Tensor, seqs: list[Sequence], drafted: torch.Tensor) -> list[torch.Tensor]:
-        """Each row's q [V_target] for the next draft token, given the tokens drafted so far."""
-        # Output layers may be padded past the shared vocabulary; the target's size is the one that counts.
-        logits = logits[:, : self.target_vocab]
-        if logits.shape[-1] < self.target_vocab:
-            logits = torch.nn.functional.pad(logits, (0, self.target_vocab - logits.shape[-1]), value=float("-inf"))
-        rows = []
-        for i, seq in enumerate(seqs):
-            counts = running_counts(seq.counts, drafted[i], self.target_vocab)
-            counts = counts[-1:] if counts is not None else None
-            if seq.params.greedy:
-                token = greedy_tokens(logits[i : i + 1], seq.params, counts)
-                rows.append(torch.nn.functional.one_hot(token[0], self.target_vocab).float())
-            else:
-                rows.append(to_probs(logits[i : i + 1], seq.params, counts)[0])
-        return rows
-
-    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+    def _first_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Catch up on the tokens the target emitted since the last proposal."""
         runner, cache = self.runner, self.cache
-        lengths = cache.lengths.tolist()
-        pending = [seq.tokens[seen:] for seq, seen in zip(seqs, lengths)]
+        pending = [seq.tokens[seen:] for seq, seen in zip(seqs, cache.lengths.tolist())]
         width = max(len(p) for p in pending)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         keep = torch.zeros(len(seqs), width, dtype=torch.bool)
@@ -61,27 +127,12 @@ class DraftModelDrafter(Drafter):
         logits, _ = runner.forward(cache, ids)
         runner.commit(cache, keep.to(runner.device))
         last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
-        logits = logits[torch.arange(len(seqs), device=logits.device), last]
+        return logits[torch.arange(len(seqs), device=logits.device), last]
 
-        drafted = torch.zeros(len(seqs), gamma, dtype=torch.long, device=logits.device)
-        probs = torch.zeros(len(seqs), gamma, self.target_vocab, device=logits.device)
-        for j in range(gamma):
-            q = self._q(logits, seqs, drafted[:, :j])
-            for i, seq in enumerate(seqs):
-                probs[i, j] = q[i]
-                drafted[i, j] = q[i].argmax() if seq.params.greedy else sample(q[i][None], self._generator(seq))
-            if j < gamma - 1:
-                logits, _ = runner.forward(cache, drafted[:, j : j + 1], commit=True)
-                logits = logits[:, 0]
-        return Proposal(tokens=drafted.cpu(), lengths=[gamma] * len(seqs), probs=probs)
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        # Draft draws use the request's own generator, so a seed fixes the whole completion.
-        if seq.generator is None:
-            seq.generator = make_generator(seq.params.seed, self.runner.device)
-        return seq.generator
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.runner.forward(self.cache, tokens, commit=True)
+        return logits[:, 0]
 
     def accepted(self, seqs: list[Sequence], proposal: Proposal, accepted: list[int]) -> None:
-        # The cache holds drafts 0..gamma-2; drop those past each row's accepted prefix.
-        forwarded = max(proposal.tokens.shape[1] - 1, 0)
-        self.runner.drop_last(self.cache, [max(forwarded - a, 0) for a in accepted])
+        # The cache holds the draft tokens fed back; drop those past each row's accepted prefix.
+        self.runner.drop_last(self.cache, [max(self.forwarded - a, 0) for a in accepted])

@@ -227,6 +227,46 @@ class ModelRunner:
             self.commit(cache, torch.ones(batch, k, dtype=torch.bool, device=self.device))
         return out.logits.float(), (out.hidden_states if hidden_states else None)
 
+    @torch.no_grad()
+    def forward_layers(self, cache: BatchCache, input_ids: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """Final-normed hidden states [B, k, H] of `input_ids` [B, k] through only the first `num_layers` layers.
+
+        For self-speculation (drafters/layer_skip.py). The new tokens attend each
+        row's valid slots, then the slots earlier calls appended since the last
+        `drop_pending`, then each other causally. Their keys and values go into
+        the first `num_layers` layers only and never into `cache.valid`, so they
+        are pending: call `drop_pending` before the next full forward.
+        Llama-style decoders only (Llama, Qwen2): one full-attention mask for every layer.
+        """
+        decoder = self.model.get_decoder()
+        batch, k = input_ids.shape
+        layers = _layers(cache.kv)
+        pending = layers[0].keys.shape[2] - cache.slots if layers else 0
+        allowed = torch.cat(
+            [
+                cache.valid[:, None, :].expand(batch, k, cache.slots),
+                torch.ones(batch, k, pending, dtype=torch.bool, device=self.device),
+                torch.ones(k, k, dtype=torch.bool, device=self.device).tril().expand(batch, k, k),
+            ],
+            dim=2,
+        )
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        position_ids = cache.lengths[:, None] + pending + torch.arange(k, device=self.device)
+        hidden = decoder.embed_tokens(input_ids.to(self.device))
+        rotary = decoder.rotary_emb(hidden, position_ids)
+        for layer in decoder.layers[:num_layers]:
+            hidden = layer(
+                hidden, attention_mask=mask[:, None], position_ids=position_ids, cache=cache.kv,
+                use_cache=True, position_embeddings=rotary,
+            )
+        return decoder.norm(hidden)
+
+    @staticmethod
+    def drop_pending(cache: BatchCache) -> None:
+        """Cut every layer back to the cache's slots, undoing what `forward_layers` appended (a view: no copy)."""
+        for layer in _layers(cache.kv):
+            layer.keys, layer.values = layer.keys[:, :, : cache.slots], layer.values[:, :, : cache.slots]
+
     def prefill(self, token_ids: list[int], all_logits: bool = False) -> tuple[BatchCache, torch.Tensor]:
         """A one-row cache holding `token_ids`, and their logits: [len, V] with all_logits, else the last [1, V]."""
         cache = self.empty_cache()

@@ -1,0 +1,80 @@
+"""Layer skip (self-speculative decoding): the target's first k layers, its final norm and its
+output layer draft for the whole target. No second model, no second cache, no re-prefill.
+
+The design. The target's cache holds every token of a row but the last, and
+its layers 0..k-1 hold exactly the keys and values the draft needs for all of
+them. So the draft runs the first k decoder layers itself
+(`ModelRunner.forward_layers`) against the engine's own `BatchCache`: the
+first draft pass feeds the row's last token, each later pass the draft token
+before. Their keys and values are appended to layers 0..k-1 only, as pending
+slots that only the draft's own mask sees. When the proposal is done
+(returned or raised), `drop_pending` cuts those layers back to the cache's
+slot count, a view and no copy, so the target's verify pass finds its cache
+exactly as it left it: every layer the same slot count, one mask for all.
+
+This is simpler than keeping draft slots in the cache through verification
+(zero-padded in layers k..L-1, masked out of the target's view, dropped at
+commit): nothing of the draft outlives `propose`, so rollback has nothing to
+undo and `accepted` is the base class's no-op. The price is that the verify
+pass recomputes layers 0..k-1 for the tokens the draft already ran through
+them; reusing that work (LayerSkip, Elhoushi et al. 2024) would save up to
+k/L of a verify pass, at the cost of a verify forward that starts at layer k
+from the draft's hidden states.
+
+Models not trained for early exit (Llama, Qwen2 as released) predict poorly
+from their early layers, so acceptance climbs only near the top layers; the
+calibration (`python -m specdec_core.calibrate`) measures where, if anywhere,
+that pays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.runner import BatchCache, ModelRunner
+from ..sequence import Sequence
+from ..vocab import ReducedVocab
+from .base import Proposal
+from .draft_model import ModelDrafter
+
+FAMILIES = ("llama", "qwen2")  # decoders whose layers `forward_layers` can run one by one
+
+
+class LayerSkipDrafter(ModelDrafter):
+    name = "layer-skip"
+
+    def __init__(self, target: ModelRunner, k: int, vocab: ReducedVocab | None = None, early_exit: float = 0.0):
+        if target.config.model_type not in FAMILIES:
+            raise ValueError(f"layer-skip runs {', '.join(FAMILIES)} decoders, not {target.config.model_type}")
+        if not 1 <= k <= target.num_layers:
+            raise ValueError(f"layer-skip k={k}: the target has {target.num_layers} layers; choose 1 <= k <= {target.num_layers}")
+        super().__init__(target.vocab_size, vocab, early_exit)
+        self.target = target
+        self.k = k
+        output = target.model.get_output_embeddings()
+        self.head = vocab.head(output) if vocab else output  # the target's own output layer unless reduced
+        self.cache: BatchCache | None = None  # the engine's target cache, not a copy (attach)
+
+    def attach(self, cache: BatchCache) -> None:
+        self.cache = cache
+
+    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+        try:
+            return super().propose(seqs, gamma)
+        finally:
+            # The draft's slots must never reach the target's verify pass.
+            self.target.drop_pending(self.cache)
+
+    def _first_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        # The cache lacks only each row's last token: it is the first one to feed.
+        return self._next_logits(torch.tensor([[seq.tokens[-1]] for seq in seqs]))
+
+    @torch.no_grad()
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.target.forward_layers(self.cache, tokens, self.k)
+        return self.head(hidden[:, -1]).float()
+
+
+def default_k(num_layers: int) -> int:
+    """k when the config leaves it null."""
+    return max(3 * num_layers // 4, 1)

@@ -1,0 +1,323 @@
+"""Weight-only int8 and int4 linear layers on torch's own kernels, and a cache of packed weights.
+
+Decoding one token streams every weight from memory, so the bytes per weight set the speed
+(DESIGN.md, "Why it works"). These layers keep activations in the model's dtype and store weights
+as int8 (one scale per output channel) or int4 (a scale and a zero per group of `group_size`
+input weights); the kernels dequantize on the fly:
+
+- int8: `aten._weight_int8pack_mm` (CPU, CUDA, MPS, XPU; weight [N, K] int8).
+- int4 on CPU: `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
+- int4 on CUDA: `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (bf16 activations).
+
+A layer the kernels cannot take (shape, device or dtype) falls back to the next wider precision,
+and the fallback is logged. Packing the weights of a big model takes a while, so the packed
+tensors are cached as safetensors next to a JSON manifest of how they were made; the manifest is
+renamed into place last, so its presence (with a matching key) means the cache is complete.
+Measurements behind the defaults: docs/QUANT.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+log = logging.getLogger("specdec")
+
+QUANTIZED = ("int4", "int8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the int4 kernels implement
+# g32 matches the 32-weight sub-blocks of the GGUF Q4_K tensors our weights were converted from,
+# so min/max quantization lands on (nearly) the same grid; docs/QUANT.md has the measurements.
+DEFAULT_GROUP_SIZE = 32
+# Steps tried per int4 group: (max - min) / levels for each of these (see _quantize_int4_rows).
+# On the Qwen Q4_K layers the best is 15 or 14 levels; 13 and 12 win now and then on Q6_K layers.
+INT4_LEVELS = (15, 14, 13, 12)
+ROWS_PER_CHUNK = 2048
+# The output layer's default precision. int4 there costs more agreement with bf16 than the whole
+# int4 body does on two of three models (it comes from a 6- or 8-bit GGUF tensor), for 8-17% of
+# decode speed: docs/QUANT.md, "The output layer".
+HEAD_WEIGHTS = "int8"
+CACHE_FORMAT = 3  # bump when the cache's layout or quantization math changes
+SCHEME = {  # written into each cache manifest, for whoever reads one
+    "int8": "symmetric, one scale per output channel: w = q * scale",
+    "int4": "asymmetric min/max per group of input weights: w = (q - 8) * scale + zero",
+}
+
+
+class UnsupportedLayer(ValueError):
+    """A linear layer that a kernel cannot take (shape, device or dtype)."""
+
+
+class QuantLinear(nn.Module):
+    """Shared forward: flatten [..., in] to the 2D contiguous input the kernels need, add the bias."""
+
+    precision: str
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # A buffer, not a parameter: these layers are for inference only.
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._mm(x.reshape(-1, self.in_features).contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that rebuild this layer (the bias stays with the model it came from)."""
+        return {name: t for name, t in self.named_buffers(recurse=False) if name != "bias"}
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [N, K] int8, scales [N] in `dtype`); w ~ q * scale."""
+    w = weight.float()
+    # Round the scale to its stored dtype first, so q is the best code for the scale actually used.
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 in torch's convention: (q [N, K] int32 in 0..15, scales_and_zeros
+    [K / group, N, 2] in `dtype`); w ~ (q - 8) * scale + zero, with q = 0 at the group's minimum."""
+    n, k = weight.shape
+    # Row chunks bound the float32 temporaries (the Qwen output layer has 151,936 rows).
+    parts = [_quantize_int4_rows(rows, group_size, dtype) for rows in weight.split(ROWS_PER_CHUNK)]
+    q = torch.cat([p[0] for p in parts]).reshape(n, k)
+    return q, torch.cat([p[1] for p in parts], dim=1)
+
+
+def _quantize_int4_rows(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the step with the least squared error among (max - min) / levels, levels in
+    INT4_LEVELS. Weights converted from a 4-bit GGUF (Q4_K) sit on a grid per group whose top code
+    a group often leaves unused: then max - min spans 14 steps, not 15, and only the search lands
+    on the grid again (0.5% weight error instead of 4.3% on the Qwen-1.5B; docs/QUANT.md)."""
+    w = weight.float().reshape(weight.shape[0], -1, group_size)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+
+    def scale_zero(levels: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Rounded to the stored dtype first, so codes and errors are those of the values stored.
+        scales = ((high - low) / levels).clamp(min=1e-12).to(dtype).float()
+        return scales, (low + 8 * scales).to(dtype).float()
+
+    def positions(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        return (w - zeros[..., None]) / scales[..., None] + 8  # where each weight falls on the code axis
+
+    errors = []
+    for levels in INT4_LEVELS:
+        scales, zeros = scale_zero(levels)
+        t = positions(scales, zeros)
+        errors.append((t.round().clamp(0, 15) - t).square().sum(dim=2) * scales.square())
+    scales, zeros = scale_zero(torch.tensor(INT4_LEVELS)[torch.stack(errors).argmin(dim=0)])
+    q = positions(scales, zeros).round().clamp(0, 15).to(torch.int32)
+    return q, torch.stack([scales.to(dtype), zeros.to(dtype)], dim=2).transpose(0, 1)
+
+
+class Int8Linear(QuantLinear):
+    """y = x @ (q * scale).T + bias, with q int8 per output channel."""
+
+    precision = "int8"
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        q, scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
+        return cls(q, scales, linear.bias)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+def _cuda_inner_k_tiles(in_features: int) -> int:
+    """The widest k-tiling (8, 4 or 2 tiles of 16) that divides in_features: wider loads are faster."""
+    return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
+def int4_unsupported(out_features: int, in_features: int, group_size: int, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the int4 kernels cannot take this layer, or None when they can."""
+    if group_size not in INT4_GROUP_SIZES:
+        return f"group size {group_size} is not one of {INT4_GROUP_SIZES}"
+    if in_features % group_size:
+        return f"in_features {in_features} is not a multiple of the group size {group_size}"
+    if device.type == "cpu":
+        return None if out_features % 16 == 0 else f"out_features {out_features} is not a multiple of 16 (CPU int4 kernel)"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"the CUDA int4 kernel takes bf16 activations, not {dtype}"
+        return None if out_features % 8 == 0 else f"out_features {out_features} is not a multiple of 8 (CUDA int4 kernel)"
+    return f"no int4 kernel for device {device.type}"
+
+
+class Int4Linear(QuantLinear):
+    """y = x @ dequant(q).T + bias, with q int4 in groups of `group_size` along the input."""
+
+    precision = "int4"
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None):
+        super().__init__(scales_and_zeros.shape[0] * group_size, scales_and_zeros.shape[1], bias)
+        self.group_size = group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
+        weight = linear.weight.detach()
+        reason = int4_unsupported(*weight.shape, group_size, weight.device, weight.dtype)
+        if reason:
+            raise UnsupportedLayer(f"int4: {reason}")
+        q, scales_and_zeros = quantize_int4(weight, group_size, weight.dtype)
+        if weight.device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:
+            # The CUDA packer takes two codes per byte, the even column in the high nibble.
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _cuda_inner_k_tiles(weight.shape[1]))
+        return cls(packed, scales_and_zeros, group_size, linear.bias)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+def _quantize_layer(linear: nn.Linear, precision: str, group_size: int) -> QuantLinear:
+    """`linear` at `precision`, trying one run of the kernel so that a device's unknown limits show here."""
+    layer = Int4Linear.from_linear(linear, group_size) if precision == "int4" else Int8Linear.from_linear(linear)
+    layer(torch.zeros(1, layer.in_features, dtype=linear.weight.dtype, device=linear.weight.device))
+    return layer
+
+
+def _quantize_with_fallback(name: str, linear: nn.Linear, precision: str, group_size: int) -> QuantLinear | None:
+    """The layer at `precision`, else at the next wider one; None keeps the float layer. Fallbacks are logged."""
+    for candidate in QUANTIZED[QUANTIZED.index(precision):]:
+        try:
+            return _quantize_layer(linear, candidate, group_size)
+        except (UnsupportedLayer, RuntimeError) as error:
+            log.warning("quantize: %s cannot be %s (%s); trying a wider precision", name, candidate, error)
+    log.warning("quantize: %s stays %s", name, linear.weight.dtype)
+    return None
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _fingerprint(linears: dict[str, nn.Linear]) -> str:
+    """A cheap hash of the float weights (names, shapes, first and last rows): a cache made from
+    other weights must not be served. Reads a few pages, not the (lazily mapped) weights."""
+    digest = hashlib.sha256()
+    for name, linear in linears.items():
+        w = linear.weight.detach()
+        digest.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
+        digest.update(w[[0, -1]].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def cache_file(model_dir: str | Path, weights: str, group_size: int, device: torch.device) -> Path:
+    """Where a model's packed weights live: the int4 packing is device-specific, so the name says which."""
+    group = f"-g{group_size}" if weights == "int4" else ""
+    return Path(model_dir) / f"packed-{weights}{group}-{device.type}.safetensors"
+
+
+def _write_atomically(path: Path, write) -> None:
+    """write(tmp) then rename, so a reader never sees half a file."""
+    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def quantize_model(
+    model: nn.Module,
+    weights: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    cache_path: str | Path | None = None,
+    head_weights: str = HEAD_WEIGHTS,
+) -> dict[str, str]:
+    """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear; return each
+    replaced layer's precision by name.
+
+    `head_weights` is the output layer's precision (int8 or int4; another name leaves it float).
+    With `cache_path`, packed weights made from the same float weights with the same settings are
+    loaded from there instead of quantizing again; otherwise they are quantized and saved there.
+    """
+    if weights not in QUANTIZED:
+        raise ValueError(f"weights {weights!r} is not one of {QUANTIZED}")
+    linears = _linears(model)
+    head = next((name for name, module in linears.items() if module is model.get_output_embeddings()), None)
+    wanted = {name: weights for name in linears}
+    if head:
+        wanted[head] = head_weights
+    some = next(iter(linears.values()))
+    key = {
+        "format": CACHE_FORMAT,
+        "torch": torch.__version__,
+        "device": some.weight.device.type,
+        "dtype": str(some.weight.dtype),
+        "group_size": group_size,
+        "wanted": wanted,
+        "source": _fingerprint(linears),
+    }
+    manifest_path = Path(cache_path).with_suffix(".json") if cache_path else None
+    manifest = json.loads(manifest_path.read_text()) if manifest_path and manifest_path.is_file() else {}
+    if manifest.get("key") == key:
+        _load_cached(model, linears, Path(cache_path), manifest["layers"], group_size)
+        log.info("quantize: loaded %d packed layers from %s", len(manifest["layers"]), cache_path)
+        return manifest["layers"]
+
+    layers = {}
+    for name, precision in wanted.items():
+        # pop: the float layer is freed as soon as its replacement is in (peak memory on CUDA).
+        linear = linears.pop(name)
+        if precision in QUANTIZED and (layer := _quantize_with_fallback(name, linear, precision, group_size)):
+            _replace(model, name, layer)
+            layers[name] = layer.precision
+    if cache_path:
+        tensors = {f"{name}.{t}": v.cpu() for name in layers for t, v in model.get_submodule(name).packed_tensors().items()}
+        _write_atomically(Path(cache_path), lambda tmp: save_file(tensors, str(tmp)))
+        made = {"key": key, "layers": layers, "scheme": SCHEME, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _write_atomically(manifest_path, lambda tmp: tmp.write_text(json.dumps(made, indent=1) + "\n"))
+    return layers
+
+
+def _load_cached(model: nn.Module, linears: dict[str, nn.Linear], path: Path, layers: dict[str, str], group_size: int) -> None:
+    device = next(iter(linears.values())).weight.device
+    # Copies, not views of the file: safetensors places tensors at arbitrary offsets, and the CPU
+    # int8 kernel faults on weights that are not 64-byte aligned (torch's allocator aligns them).
+    tensors = {name: t.to(device, copy=True) for name, t in load_file(str(path)).items()}
+    for name, precision in layers.items():
+        bias = linears[name].bias
+        if precision == "int4":
+            layer = Int4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], group_size, bias)
+        else:
+            layer = Int8Linear(tensors[f"{name}.weight"], tensors[f"{name}.scales"], bias)
+        _replace(model, name, layer)

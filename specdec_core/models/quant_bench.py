@@ -1,0 +1,289 @@
+"""Measurements behind docs/QUANT.md: `python -m specdec_core.models.quant_bench {layers,decode,quality}`.
+
+Every comparison runs its alternatives interleaved in one process (round by round), because this
+project's machines are shared and absolute timings drift; the tables report medians over rounds
+with the spread (min-max), and ratios taken within each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..build import build_engine, load_runner
+from ..config import Config, ModelConfig
+from ..engine import Engine
+from ..sampling import SamplingParams
+from ..sequence import Sequence
+from .quant import DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, cache_file, quantize_model
+from .registry import model_dir
+from .runner import ModelRunner
+
+# Qwen2.5-Coder-1.5B's linear layers: (name, out_features, in_features).
+QWEN_1_5B_LAYERS = [
+    ("q_proj / o_proj", 1536, 1536),
+    ("k_proj / v_proj", 256, 1536),
+    ("gate_proj / up_proj", 8960, 1536),
+    ("down_proj", 1536, 8960),
+    ("lm_head", 151936, 1536),
+]
+# Held-out text for perplexity and agreement: library source, nothing from Spec-Bench.
+HELD_OUT_MODULE = "argparse"
+GENERATION_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a Python generator is, in three sentences.",
+    "Write a SQL query that returns the ten most recent orders per customer.",
+]
+
+
+def machine_line() -> str:
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each variant's figure per round, the variants taking turns within every round."""
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, measure in variants.items():
+            results[name].append(measure())
+    return results
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def ratios(results: dict[str, list[float]], base: str) -> dict[str, list[float]]:
+    """Per-round ratio of each variant to `base` (same round, so drift between rounds cancels)."""
+    return {name: [v / b for v, b in zip(values, results[base])] for name, values in results.items()}
+
+
+# -- per-layer cost --------------------------------------------------------------------------------
+
+
+def _timed_calls(layers: list[nn.Module], x: torch.Tensor, seconds: float) -> Callable[[], float]:
+    """A measurement: the 10th percentile of ms per call of layer(x), over about `seconds` of calls,
+    each call on the next of `layers` (copies), so that the weights come from memory, not from cache.
+
+    A low percentile, not the mean: on a shared machine a call that loses its core for a
+    scheduler slice (several ms) says nothing about the layer, and most of a mean is such calls.
+    """
+
+    def measure() -> float:
+        times, end = [], time.perf_counter() + seconds
+        while (start := time.perf_counter()) < end or len(times) < 10:
+            layers[len(times) % len(layers)](x)
+            times.append(1000 * (time.perf_counter() - start))
+        return statistics.quantiles(times, n=10)[0]
+
+    return measure
+
+
+def _copies(layer: nn.Module, working_set: int) -> list[nn.Module]:
+    """Enough copies of `layer` that cycling through them streams `working_set` bytes (past the L3)."""
+    size = sum(t.nbytes for t in [*layer.parameters(), *layer.buffers()])
+    return [layer] + [copy.deepcopy(layer) for _ in range(-(-working_set // size) - 1)]
+
+
+@torch.no_grad()
+def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[int], working_set: int) -> None:
+    print(f"machine: {machine_line()}; each variant cycles through {working_set / 1e6:.0f} MB of copies\n")
+    names = ["int8"] + [f"int4 g{g}" for g in groups]
+    print("| layer (out x in) | tokens | bf16 ms | " + " | ".join(f"{v} ms (x bf16)" for v in names) + " |")
+    print("|---" * (3 + len(names)) + "|")
+    for name, out_features, in_features in QWEN_1_5B_LAYERS:
+        linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+        layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
+        layers.update({f"int4 g{g}": Int4Linear.from_linear(linear, g) for g in groups})
+        copies = {v: _copies(layer, working_set) for v, layer in layers.items()}
+        for k in tokens:
+            x = torch.randn(k, in_features, dtype=torch.bfloat16)
+            for layer in layers.values():
+                layer(x)  # warm up: first calls allocate
+            results = interleaved({v: _timed_calls(copies[v], x, seconds) for v in layers}, rounds)
+            rel = ratios(results, "bf16")
+            cells = [spread(results["bf16"], 3)] + [f"{spread(results[v], 3)} ({statistics.median(rel[v]):.2f}x)" for v in names]
+            print(f"| {name} ({out_features} x {in_features}) | {k} | " + " | ".join(cells) + " |", flush=True)
+        del layers, copies
+
+
+# -- whole models ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run a model: activation dtype, linear-layer precision, output-layer precision."""
+
+    dtype: str
+    weights: str | None = None  # None: unquantized
+    head: str = HEAD_WEIGHTS
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    @property
+    def label(self) -> str:
+        if not self.weights:
+            return self.dtype
+        group = f" g{self.group_size}" if self.weights == "int4" else ""
+        return f"{self.weights}{group}, head {self.head}"
+
+
+def parse_variant(text: str) -> Variant:
+    """`bf16`, `fp32`, `int8`, `int4`, `int4:g64`, `int4:head=int4`, `int4:g64:head=bf16` (activations bf16)."""
+    name, *options = text.split(":")
+    if name in ("bf16", "fp32"):
+        return Variant(name)
+    group, head = DEFAULT_GROUP_SIZE, HEAD_WEIGHTS
+    for option in options:
+        if option.startswith("g"):
+            group = int(option[1:])
+        elif option.startswith("head="):
+            head = option[5:]
+        else:
+            raise argparse.ArgumentTypeError(f"unknown variant option {option!r} in {text!r}")
+    return Variant("bf16", name, head, group)
+
+
+def load_variant(model: str, variant: Variant) -> ModelRunner:
+    """The model at `variant`, through the same path as the server (packed cache included)."""
+    runner = load_runner(model, ModelConfig(target=model, dtype=variant.dtype))
+    if variant.weights:
+        cache = cache_file(model_dir(model), variant.weights, variant.group_size, runner.device)
+        if variant.head != HEAD_WEIGHTS:  # not the file the server loads: name it apart
+            cache = cache.with_stem(f"{cache.stem}-head-{variant.head}")
+        quantize_model(runner.model, variant.weights, variant.group_size, cache, head_weights=variant.head)
+    return runner
+
+
+def model_bytes(module: nn.Module) -> int:
+    """Bytes of all parameters and buffers, tied tensors counted once. Per tensor, not per storage:
+    safetensors may map a whole file as one storage."""
+    tensors = {t.data_ptr(): t.nbytes for t in [*module.parameters(), *module.buffers()]}
+    return sum(tensors.values())
+
+
+def chat_ids(runner: ModelRunner, prompt: str) -> list[int]:
+    messages = [{"role": "user", "content": prompt}]
+    return runner.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def greedy(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """Plain greedy decode through the engine: (tokens, decode seconds after the prefill)."""
+    seq = Sequence("bench", prompt_ids, SamplingParams(temperature=0.0), max_tokens)
+    engine.add(seq)
+    start = time.perf_counter()
+    while not seq.finished:
+        engine.step()
+    return seq.output_ids, time.perf_counter() - start
+
+
+def bench_decode(model: str, variants: list[Variant], rounds: int, max_tokens: int) -> None:
+    print(f"machine: {machine_line()}\nmodel: {model}, batch 1, plain greedy via the engine, {max_tokens} new tokens\n")
+    engines = {}
+    for variant in variants:
+        runner = load_variant(model, variant)
+        engines[variant.label] = build_engine(Config(), drafter="none", target=runner)
+    prompt = chat_ids(next(iter(engines.values())).target, GENERATION_PROMPTS[0])
+    for engine in engines.values():
+        greedy(engine, prompt, 4)  # warm up
+
+    def rate(engine: Engine) -> Callable[[], float]:
+        def measure() -> float:
+            tokens, seconds = greedy(engine, prompt, max_tokens)
+            return len(tokens) / seconds
+
+        return measure
+
+    results = interleaved({label: rate(engine) for label, engine in engines.items()}, rounds)
+    base = next(iter(results))
+    rel = ratios(results, base)
+    print(f"| precision | tokens/s | x {base} | model MB |\n|---|---|---|---|")
+    for label, engine in engines.items():
+        print(f"| {label} | {spread(results[label])} | {spread(rel[label])} | {model_bytes(engine.target.model) / 1e6:.0f} |")
+
+
+# -- quality ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def held_out_logits(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits [len, V] for `ids`, fed `chunk` tokens per forward against the cache."""
+    cache, parts = runner.empty_cache(), []
+    for start in range(0, len(ids), chunk):
+        logits, _ = runner.forward(cache, torch.tensor([ids[start : start + chunk]]), commit=True)
+        parts.append(logits[0])
+    return torch.cat(parts)
+
+
+def bench_quality(model: str, variants: list[Variant], tokens: int, chunk: int, gen_tokens: int) -> None:
+    import importlib
+
+    text = inspect.getsource(importlib.import_module(HELD_OUT_MODULE))
+    print(f"machine: {machine_line()}\nmodel: {model}; held-out text: the first {tokens} tokens of Lib/{HELD_OUT_MODULE}.py; "
+          f"greedy generations: {len(GENERATION_PROMPTS)} chat prompts x {gen_tokens} tokens\n")
+    reference = None
+    print("| precision | perplexity | argmax agrees with first row | greedy generations equal to first row (matching prefix) |")
+    print("|---|---|---|---|")
+    for variant in variants:
+        runner = load_variant(model, variant)
+        ids = runner.tokenizer(text)["input_ids"][:tokens]
+        logits = held_out_logits(runner, ids, chunk)
+        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+        engine = build_engine(Config(), drafter="none", target=runner)
+        outputs = [greedy(engine, chat_ids(runner, p), gen_tokens)[0] for p in GENERATION_PROMPTS]
+        argmax = logits.argmax(dim=-1)
+        if reference is None:
+            reference = (argmax, outputs)
+        agree = (argmax == reference[0]).float().mean().item()
+        prefixes = [_common_prefix(a, b) for a, b in zip(outputs, reference[1])]
+        equal = sum(a == b for a, b in zip(outputs, reference[1]))
+        print(f"| {variant.label} | {nll.exp().item():.3f} | {agree:.4f} | {equal}/{len(outputs)} ({', '.join(map(str, prefixes))}) |", flush=True)
+        del runner, engine, logits
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    layers = sub.add_parser("layers", help="ms per call of Qwen-1.5B-shaped linear layers")
+    layers.add_argument("--tokens", type=int, nargs="+", default=[1, 6])
+    layers.add_argument("--rounds", type=int, default=5)
+    layers.add_argument("--seconds", type=float, default=0.5, help="per variant per round")
+    layers.add_argument("--groups", type=int, nargs="+", default=list(INT4_GROUP_SIZES))
+    layers.add_argument("--working-set-mb", type=int, default=1024, help="bytes each variant cycles through")
+    for name, help_text in [("decode", "decode tokens/s per precision"), ("quality", "perplexity and greedy agreement")]:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("model")
+        p.add_argument("variants", nargs="+", type=parse_variant, help="bf16, fp32, int8, int4, int4:g64, int4:head=int4")
+    sub.choices["decode"].add_argument("--rounds", type=int, default=3)
+    sub.choices["decode"].add_argument("--max-tokens", type=int, default=32)
+    sub.choices["quality"].add_argument("--tokens", type=int, default=2048)
+    sub.choices["quality"].add_argument("--chunk", type=int, default=256)
+    sub.choices["quality"].add_argument("--gen-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.command == "layers":
+        bench_layers(args.tokens, args.rounds, args.seconds, args.groups, args.working_set_mb * 10**6)
+    elif args.command == "decode":
+        bench_decode(args.model, args.variants, args.rounds, args.max_tokens)
+    else:
+        bench_quality(args.model, args.variants, args.tokens, args.chunk, args.gen_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Weight-only int8 / int4 linear layers, their packed-weight cache, and decoding over a quantized target."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from specdec_core.build import load_runner
+from specdec_core.config import ModelConfig
+from specdec_core.control import Controller
+from specdec_core.drafters.ngram import NgramDrafter
+from specdec_core.engine import Engine
+from specdec_core.models import quant
+from specdec_core.models.quant import Int4Linear, Int8Linear, UnsupportedLayer, quantize_int4, quantize_int8, quantize_model
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TINY = "tiny-random-llama"
+
+
+def dequantized(linear: nn.Linear, precision: str, group_size: int) -> torch.Tensor:
+    """The float32 weight a quantized layer stands for, from the quantization math alone (no kernel)."""
+    weight, dtype = linear.weight.detach(), linear.weight.dtype
+    if precision == "int8":
+        q, scales = quantize_int8(weight, dtype)
+        return q.float() * scales.float()[:, None]
+    q, scales_and_zeros = quantize_int4(weight, group_size, dtype)
+    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(dim=2)  # each [N, K / group]
+    n, k = q.shape
+    groups = q.float().reshape(n, k // group_size, group_size)
+    return ((groups - 8) * scales[..., None] + zeros[..., None]).reshape(n, k)
+
+
+def quantized(linear: nn.Linear, precision: str, group_size: int) -> nn.Module:
+    return Int4Linear.from_linear(linear, group_size) if precision == "int4" else Int8Linear.from_linear(linear)
+
+
+@pytest.mark.parametrize("precision,group_size", [("int8", 0), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("leading", [(5,), (2, 3)], ids=["2d", "3d"])
+def test_layer_matches_its_dequantized_reference(precision: str, group_size: int, dtype: str, leading: tuple[int, ...]):
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 48, bias=True, dtype=DTYPES[dtype])
+    x = torch.randn(*leading, 128, dtype=DTYPES[dtype])
+    out = quantized(linear, precision, group_size)(x)
+    reference = x.float() @ dequantized(linear, precision, group_size).T + linear.bias.float()
+    assert out.shape == (*leading, 48) and out.dtype == DTYPES[dtype]
+    # fp32: the kernel's own rounding only; bf16: activations and output rounded to 8 mantissa bits.
+    tolerance = 1e-4 if dtype == "fp32" else 2e-2
+    assert (out.float() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+def test_int8_error_is_half_a_step():
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 32, bias=False)
+    step = linear.weight.detach().abs().amax(dim=1, keepdim=True) / 127
+    assert ((dequantized(linear, "int8", 0) - linear.weight).abs() <= step / 2 + 1e-7).all()
+
+
+def test_int4_finds_a_grid_whose_extremes_are_unused():
+    """Weights converted from a 4-bit GGUF sit on a grid per group, often without its top code:
+    plain min/max would stretch the step by 15/14; the step search lands on the grid again."""
+    torch.manual_seed(2)
+    codes = torch.randint(0, 15, (32, 2, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 14  # each group spans 14 steps of its grid
+    step, base = torch.rand(32, 2, 1) / 100 + 1e-3, torch.randn(32, 2, 1) / 10
+    linear = nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((codes * step + base).reshape(32, 64))
+    error = (dequantized(linear, "int4", 32) - linear.weight).abs().max()
+    assert error <= 1e-6 * linear.weight.abs().max()
+
+
+@pytest.mark.parametrize(
+    "out_features,in_features,group_size,reason",
+    [(40, 64, 32, "multiple of 16"), (32, 48, 32, "multiple of the group size"), (32, 64, 16, "group size 16")],
+)
+def test_int4_refuses_shapes_the_kernel_cannot_take(out_features: int, in_features: int, group_size: int, reason: str):
+    with pytest.raises(UnsupportedLayer, match=reason):
+        Int4Linear.from_linear(nn.Linear(in_features, out_features), group_size)
+
+
+def tiny_runner(dtype: str = "fp32", seed: int = 0):
+    return load_runner(f"{TINY}@{seed}", ModelConfig(target=TINY, dtype=dtype))
+
+
+def logits_of(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.arange(1, 20)[None]).logits
+
+
+def test_unpackable_layers_fall_back_to_int8_and_say_so(caplog):
+    model = tiny_runner().model
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        # Group 128: layers with 64 inputs cannot be int4, down_proj (128 inputs) can.
+        layers = quantize_model(model, "int4", group_size=128)
+    assert layers["model.layers.0.mlp.down_proj"] == "int4"
+    assert layers["model.layers.0.self_attn.q_proj"] == "int8"
+    assert layers["lm_head"] == "int8"  # the output layer's default (quant.HEAD_WEIGHTS)
+    assert "q_proj cannot be int4" in caplog.text
+
+
+@pytest.mark.parametrize("weights", quant.QUANTIZED)
+def test_packed_cache_round_trip(tmp_path, monkeypatch, weights: str):
+    path = quant.cache_file(tmp_path, weights, 32, torch.device("cpu"))
+    first = tiny_runner().model
+    layers = quantize_model(first, weights, 32, path)
+    assert path.is_file() and path.with_suffix(".json").is_file()
+
+    # A fresh model loads the packed weights: quantizing again would fail here.
+    def no_quantizing(*args):
+        raise AssertionError("quantized again instead of loading the cache")
+
+    monkeypatch.setattr(quant, "_quantize_with_fallback", no_quantizing)
+    second = tiny_runner().model
+    assert quantize_model(second, weights, 32, path) == layers
+    assert torch.equal(logits_of(first), logits_of(second))
+    # The kernels use aligned vector loads: a weight at an odd offset of the file crashes them.
+    assert all(t.data_ptr() % 64 == 0 for t in second.buffers())
+
+
+def test_cache_made_from_other_weights_is_not_served(tmp_path):
+    path = quant.cache_file(tmp_path, "int8", 32, torch.device("cpu"))
+    quantize_model(tiny_runner(seed=0).model, "int8", 32, path)
+    other, reference = tiny_runner(seed=1).model, tiny_runner(seed=1).model
+    quantize_model(other, "int8", 32, path)
+    quantize_model(reference, "int8", 32)
+    assert torch.equal(logits_of(other), logits_of(reference))
+
+
+def greedy_decode(runner, drafter, prompt: list[int], max_tokens: int) -> Sequence:
+    engine = Engine(runner, drafter, Controller(fixed_gamma=3), set())
+    seq = Sequence("r", prompt, SamplingParams(temperature=0.0), max_tokens)
+    engine.add(seq)
+    while not seq.finished:
+        engine.step()
+    return seq
+
+
+@pytest.mark.parametrize("weights", quant.QUANTIZED)
+def test_speculative_greedy_over_a_quantized_target_equals_its_plain_greedy(weights: str):
+    runner = load_runner(TINY, ModelConfig(target=TINY, dtype="fp32", weights=weights))
+    assert any(isinstance(m, quant.QuantLinear) for m in runner.model.modules())
+    # A repetitive prompt, so that the n-gram drafter has matches to propose.
+    prompt = runner.tokenizer("def f(x):\n    return x\ndef g(x):\n    return x\ndef")["input_ids"]
+    plain = greedy_decode(runner, None, prompt, 40)
+    speculative = greedy_decode(runner, NgramDrafter(1, 3, 8), prompt, 40)
+    assert len(plain.output_ids) == 40
+    assert speculative.stats.accepted_tokens > 0  # the verify pass really took several tokens
+    assert speculative.output_ids == plain.output_ids
+
+
+def test_float_weights_other_than_the_dtype_are_refused():
+    with pytest.raises(ValueError, match="float weights are kept in dtype"):
+        ModelConfig(dtype="bf16", weights="fp32")
+    assert ModelConfig(dtype="bf16", weights="bf16").weights == "bf16"
