@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import inspect
-import json
 import platform
 import statistics
 import time
@@ -155,7 +155,8 @@ def parse_variant(text: str) -> Variant:
 
 
 def load_variant(model: str, variant: Variant) -> ModelRunner:
-    """The model at `variant`, through the same path as the server (packed cache included)."""
+    """The model at `variant`: loaded as the server loads it, then quantized with the variant's settings
+    (through the packed cache, like the server)."""
     runner = load_runner(model, ModelConfig(target=model, dtype=variant.dtype))
     if variant.weights:
         cache = cache_file(model_dir(model), variant.weights, variant.group_size, runner.device)
@@ -226,8 +227,6 @@ def held_out_logits(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Te
 
 
 def bench_quality(model: str, variants: list[Variant], tokens: int, chunk: int, gen_tokens: int) -> None:
-    import importlib
-
     text = inspect.getsource(importlib.import_module(HELD_OUT_MODULE))
     print(f"machine: {machine_line()}\nmodel: {model}; held-out text: the first {tokens} tokens of Lib/{HELD_OUT_MODULE}.py; "
           f"greedy generations: {len(GENERATION_PROMPTS)} chat prompts x {gen_tokens} tokens\n")
