@@ -221,16 +221,17 @@ def calibrate(config: Config, target: ModelRunner, prompts: list[list[int]], max
     return winner if winner is not None and measured[f"k={winner}"]["speedup"] > 1.0 else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec_core.calibrate", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config: the target, dtype and speculation settings")
     parser.add_argument("--drafters", help="measure these instead of calibrating: comma-separated name[:key=value...], "
-                        "keys under speculation, e.g. layer-skip:layer_skip.k=20:vocab_size=32768")
+                        "keys under speculation, e.g. layer-skip:layer_skip.k=20:vocab_size=32768:gamma=3")
     parser.add_argument("--num-prompts", type=int, default=4, help="Spec-Bench prompts, one per category in file order")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top", type=int, default=2, help="calibration: how many of the best predicted k to measure")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     config = Config.load(args.config)
     target = load_runner(config.model.target, config.model)
     prompts = [encode(target.tokenizer, p.text) for p in stratified(load_prompts(DEFAULT_PROMPTS), args.num_prompts)]
@@ -247,4 +248,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    parser = argparse.ArgumentParser(prog="python -m specdec_core.calibrate", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -51,7 +51,7 @@ class LayerSkipConfig(Section):
 
 
 class QuantizedConfig(Section):
-    weights: Literal["int8", "int4"] = Field("int8", description="Weight precision of the target's copy that the quantized drafter runs")
+    weights: Literal["int8", "int4"] = Field("int4", description="Weight precision of the target's copy that the quantized drafter runs (int4: measured c 0.43 on the 1.5B, int8: 0.63)")
 
 
 class HybridConfig(Section):
@@ -67,7 +67,7 @@ class SpeculationConfig(Section):
     max_speculative_batch: int = Field(16, ge=0, description="Batches larger than this always decode plainly")
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="n-gram / prompt-lookup settings")
     early_exit: float = Field(0.0, ge=0, le=1, description="Model drafters stop a row's draft when their top probability falls under this; 0 never stops early")
-    vocab_size: int | None = Field(None, ge=1, description="Model drafters predict over the target's this many most frequent tokens (counted over Python's stdlib); null: all")
+    vocab_size: int | None = Field(None, ge=1, description="Model drafters predict over the target's this many most frequent tokens (counted over Python's stdlib); null: all (measured: on chat prompts a reduced set lost more acceptance than it saved)")
     layer_skip: LayerSkipConfig = Field(default_factory=LayerSkipConfig, description="layer-skip (self-speculative) settings")
     quantized: QuantizedConfig = Field(default_factory=QuantizedConfig, description="quantized-copy drafter settings")
     hybrid: HybridConfig = Field(default_factory=HybridConfig, description="hybrid (n-gram, else a model drafter) settings")

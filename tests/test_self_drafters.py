@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec_core.build import build_drafter, eos_ids
+from specdec_core.calibrate import layer_acceptance, with_overrides
 from specdec_core.config import Config, ModelConfig, SpeculationConfig
 from specdec_core.control import Controller
 from specdec_core.drafters.hybrid import HybridDrafter
@@ -27,7 +28,7 @@ from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_core.vocab import COUNTS_FILE, ReducedVocab, count_tokens, reduced_vocab
 
-from .helpers import decode, full_logits, tiny_runner
+from .helpers import decode, full_logits, greedy_reference, tiny_runner
 from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
 from .test_engine import assert_rows_match, run_rows
 from .test_engine import smol_prompts, smol_references, smollm2  # noqa: F401  (fixtures: greedy references, 32 tokens)
@@ -234,7 +235,7 @@ TINY_CONFIG = ModelConfig(target="tiny-random-llama", dtype="fp32", device="cpu"
     "speculation, kind, inner",
     [
         (SpeculationConfig(drafter="layer-skip"), LayerSkipDrafter, None),
-        (SpeculationConfig(drafter="quantized", quantized={"weights": "int4"}), QuantizedDrafter, None),
+        (SpeculationConfig(drafter="quantized", quantized={"weights": "int8"}), QuantizedDrafter, None),
         (SpeculationConfig(drafter="hybrid"), HybridDrafter, LayerSkipDrafter),
         (SpeculationConfig(drafter="hybrid", hybrid={"drafter": "quantized"}), HybridDrafter, QuantizedDrafter),
     ],
@@ -283,3 +284,20 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, smol_prompts, smol_ref
     seqs, _ = run_rows(engine, smol_prompts[:rows], SMOL_TOKENS, temperature=0)
     assert_rows_match(seqs, smol_references[:rows])
     assert sum(seq.stats.accepted_tokens for seq in seqs) > 0
+
+
+# -- calibration ------------------------------------------------------------------
+
+
+def test_overrides_name_a_drafter_and_its_settings():
+    config = with_overrides(Config(model=TINY_CONFIG), "layer-skip:layer_skip.k=3:vocab_size=200:gamma=2")
+    spec = config.speculation
+    assert (spec.drafter, spec.layer_skip.k, spec.vocab_size, spec.gamma) == ("layer-skip", 3, 200, 2)
+
+
+def test_layer_acceptance_of_all_layers_is_one(target):
+    prompt = TINY_PROMPTS[0]
+    output = greedy_reference(target, prompt, 8)
+    rates = layer_acceptance(LayerSkipDrafter(target, 1), prompt, output, temperature=0.0)
+    assert rates.shape == (target.num_layers,) and rates[-1] == 1.0
+    assert float(layer_acceptance(LayerSkipDrafter(target, 1), prompt, output, temperature=1.0)[-1]) == pytest.approx(1.0)
