@@ -72,6 +72,18 @@ class Metrics:
         )
         self._windows: dict[str, deque[tuple[int, int]]] = defaultdict(lambda: deque(maxlen=ACCEPTANCE_WINDOW))
 
+    def serving(self, method: str, gamma_max: int) -> None:
+        """Start the method's series at zero, so that a rate over the first traffic is not lost to a missing first sample."""
+        for mode in ("speculative", "plain"):
+            self.decode_steps.labels(mode)
+        if method == "none":
+            return
+        for counter in (self.draft_tokens, self.accepted_tokens, self.verify_steps):
+            counter.labels(method)
+        for position in range(1, gamma_max + 1):
+            self.draft_per_position.labels(method, str(position))
+            self.accepted_per_position.labels(method, str(position))
+
     def observe_step(self, report: StepReport) -> None:
         """Record one engine step: its mode, gamma, batch size, and what was drafted and accepted."""
         self.decode_steps.labels(report.mode).inc()

@@ -206,6 +206,7 @@ class Scheduler:
             context_length=self.settings.max_model_len or config.max_position_embeddings,
         )
         self.engine = engine
+        self.metrics.serving(engine.method, engine.controller.gamma_max)
         with self._cond:
             if self.state == "loading":
                 self.state = "ready"

@@ -200,7 +200,7 @@ def test_clients_leaving_mid_stream_and_while_queued_free_everything(served):
 
 
 def outcome(response: httpx.Response) -> str:
-    """'complete', 'shutdown' (a clean 503-shaped end), or 'lost: ...'."""
+    """'complete', 'shutdown' (a clean 503-shaped end), 'refused' (came in while draining), or 'lost: ...'."""
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
         if events and "error" in events[-1]:
@@ -211,6 +211,8 @@ def outcome(response: httpx.Response) -> str:
         return "complete"
     if response.status_code == 503 and error_of(response)["code"] == "shutdown":
         return "shutdown"
+    if response.status_code == 503 and error_of(response)["code"] == "unavailable":
+        return "refused"  # arrived after the signal: a load balancer retries it on another replica
     return f"lost: {response.status_code} {response.text[:200]}"
 
 
