@@ -166,7 +166,7 @@ def layer_costs(drafter: LayerSkipDrafter, prompt: list[int], reps: int = 5) -> 
     """[L]: c(k) for k = 1..L, the median time of a k-layer draft pass over a plain step's, timed at a few k
     and interpolated (the cost is affine in k: k layers plus the embedding and output layers)."""
     target = drafter.target
-    cache, _ = target.prefill(prompt[:-1])
+    cache, _, _ = target.prefill(prompt[:-1])
     drafter.attach(cache)
     token = torch.tensor([[prompt[-1]]])
 

@@ -3,7 +3,10 @@
 The target's cache holds every token of a row but the last; each step feeds
 that last token plus the row's draft tokens in one pass, so the logits at
 position j judge draft token j and the logits after the last kept token give
-the next one. Plain decoding is the same step with no draft tokens.
+the next one. Plain decoding is the same step with no draft tokens. A tree
+proposal is the same pass with a tree mask (tree.py); the kept path's slots
+stay and the rest roll back. Per-position figures count a tree by depth: a
+row that drafted a tree of depth d drafted d positions, whatever its width.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from .drafters.base import Drafter, Proposal
 from .models.runner import ModelRunner
 from .sampling import greedy_tokens, make_generator, running_counts, to_probs
 from .sequence import Sequence
-from .verify import verify_greedy, verify_sampled
+from .tree import batch_layout, depths, path_counts, within_depth
+from .verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass
@@ -74,11 +78,12 @@ class Engine:
             seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
             for token in seq.output_ids:
                 seq.counts[token] += 1
-        row, logits = self.target.prefill(seq.tokens[:-1], all_logits=prompt_logits)
+        features = bool(self.drafter and self.drafter.uses_features)
+        row, logits, hidden = self.target.prefill(seq.tokens[:-1], all_logits=prompt_logits, features=features)
         self.target.append_rows(self.cache, row)
         if self.drafter:
             try:
-                self.drafter.add(seq)
+                self.drafter.add(seq, hidden)
             except BaseException:
                 # Take the row back: a cache row no sequence owns would break every later step.
                 self.target.remove_rows(self.cache, list(range(len(self.seqs))))
@@ -110,45 +115,58 @@ class Engine:
         for i, seq in enumerate(seqs):
             ids[i, 0] = seq.tokens[-1]
             ids[i, 1 : 1 + proposal.lengths[i]] = proposal.tokens[i, : proposal.lengths[i]]
+        parents = [row[:n] for row, n in zip(proposal.parents, proposal.lengths)] if proposal.parents else None
+        tree_mask, offsets = batch_layout(parents, width) if parents else (None, None)
+        device = self.target.device
+        features = bool(self.drafter and self.drafter.uses_features)
         start = time.perf_counter()
-        logits, _ = self.target.forward(self.cache, ids.to(self.target.device))
+        logits, hidden = self.target.forward(
+            self.cache, ids.to(device), tree_mask=None if tree_mask is None else tree_mask.to(device),
+            depths=None if offsets is None else offsets.to(device), hidden_states=features,
+        )
         verify_s = time.perf_counter() - start
 
+        positions = [max(depths(row), default=0) for row in parents] if parents else proposal.lengths
         report = StepReport(
             mode="speculative" if width else "plain",
             method=self.method,
             batch_size=len(seqs),
-            gamma=width,
+            gamma=max(positions, default=0),
             draft_s=draft_s,
             verify_s=verify_s,
-            accepted_per_position=[0] * width,
-            drafted_per_position=[0] * width,
+            accepted_per_position=[0] * max(positions, default=0),
+            drafted_per_position=[0] * max(positions, default=0),
         )
         keep = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
+        paths, kept_features = [], []
         for i, seq in enumerate(seqs):
-            length = proposal.lengths[i]
-            draft = proposal.tokens[i, :length].to(self.target.device)
+            length, drafted = proposal.lengths[i], positions[i]
+            draft = proposal.tokens[i, :length].to(device)
             q = proposal.probs[i, :length] if proposal.probs is not None else None
-            accepted, tokens = self._verify(seq, draft, q, logits[i, : length + 1])
-            keep[i, : accepted + 1] = True
-            for j in range(length):
+            path, tokens = self._verify(seq, draft, q, parents[i] if parents else None, logits[i, : length + 1])
+            slots = [0] + [1 + j for j in path]  # this step's slots the row keeps: its last token, then the path
+            keep[i, slots] = True
+            paths.append(path)
+            if features:
+                kept_features.append(hidden[-1][i, slots])
+            for j in range(drafted):
                 report.drafted_per_position[j] += 1
-                report.accepted_per_position[j] += j < accepted
-            emitted = self._emit(seq, tokens, logits[i])
-            if length:
-                seq.stats.draft_tokens += length
+                report.accepted_per_position[j] += j < len(path)
+            emitted = self._emit(seq, tokens, logits[i, slots])
+            if drafted:
+                seq.stats.draft_tokens += drafted
                 # Drafts kept past a stop are never delivered, so usage does not count them.
-                seq.stats.accepted_tokens += min(accepted, len(emitted))
+                seq.stats.accepted_tokens += min(len(path), len(emitted))
                 seq.stats.verify_steps += 1
-                seq.stats.gamma_sum += length
+                seq.stats.gamma_sum += drafted
                 seq.stats.emitted_tokens += len(emitted)
-            report.rows.append(RowResult(seq, emitted, length, accepted))
-        self.target.commit(self.cache, keep.to(self.target.device))
-        if self.drafter and width:
-            self.drafter.accepted(seqs, proposal, [row.accepted for row in report.rows])
+            report.rows.append(RowResult(seq, emitted, drafted, len(path)))
+        self.target.commit(self.cache, keep.to(device))
+        if self.drafter and (width or features):  # feature drafters need every committed token's features
+            self.drafter.accepted(seqs, proposal, paths, kept_features if features else None)
         self.controller.observe(
             len(seqs), width + 1, verify_s, width, draft_s,
-            drafted=sum(proposal.lengths), accepted=sum(row.accepted for row in report.rows),
+            drafted=sum(positions), accepted=sum(row.accepted for row in report.rows),
         )
         report.finished = [seq for seq in seqs if seq.finished]
         self.remove(report.finished)
@@ -160,16 +178,28 @@ class Engine:
             return empty
         proposal = self.drafter.propose(seqs, gamma)
         # Never draft past a row's token budget: the step emits at most remaining tokens.
-        proposal.lengths = [min(n, max(seq.remaining - 1, 0)) for n, seq in zip(proposal.lengths, seqs)]
-        return proposal
+        budgets = [max(seq.remaining - 1, 0) for seq in seqs]
+        if proposal.parents is None:
+            proposal.lengths = [min(n, budget) for n, budget in zip(proposal.lengths, budgets)]
+            return proposal
+        return _trees_within(proposal, budgets)
 
     def _verify(
-        self, seq: Sequence, draft: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor
-    ) -> tuple[int, list[int]]:
-        counts = running_counts(seq.counts, draft, self.target.vocab_size)
+        self, seq: Sequence, draft: torch.Tensor, q: torch.Tensor | None, parents: list[int] | None, logits: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
+        """(the kept draft indices, the emitted tokens) of one row; `parents` None is a chain."""
+        vocab = self.target.vocab_size
+        if parents is None:
+            counts = running_counts(seq.counts, draft, vocab)
+            if seq.params.greedy:
+                accepted, tokens = verify_greedy(draft, greedy_tokens(logits, seq.params, counts))
+            else:
+                accepted, tokens = verify_sampled(draft, q, to_probs(logits, seq.params, counts), seq.generator)
+            return list(range(accepted)), tokens
+        counts = path_counts(seq.counts, draft, parents, vocab)
         if seq.params.greedy:
-            return verify_greedy(draft, greedy_tokens(logits, seq.params, counts))
-        return verify_sampled(draft, q, to_probs(logits, seq.params, counts), seq.generator)
+            return verify_tree_greedy(draft, parents, greedy_tokens(logits, seq.params, counts))
+        return verify_tree_sampled(draft, parents, q, to_probs(logits, seq.params, counts), seq.generator)
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> list[int]:
         """Append tokens (the j-th drawn from logits[j]) up to the first stop; returns those appended."""
@@ -191,3 +221,16 @@ class Engine:
             if seq.finished:
                 break
         return emitted
+
+
+def _trees_within(proposal: Proposal, max_depths: list[int]) -> Proposal:
+    """Each row's tree cut to its nodes at depth <= max_depths[i], renumbered."""
+    rows = [within_depth(parents[:n], depth) for parents, n, depth in zip(proposal.parents, proposal.lengths, max_depths)]
+    width = max((len(kept) for kept, _ in rows), default=0)
+    tokens = proposal.tokens.new_zeros(len(rows), width)
+    probs = None if proposal.probs is None else proposal.probs.new_zeros(len(rows), width, proposal.probs.shape[-1])
+    for i, (kept, _) in enumerate(rows):
+        tokens[i, : len(kept)] = proposal.tokens[i, kept]
+        if probs is not None:
+            probs[i, : len(kept)] = proposal.probs[i, kept]
+    return Proposal(tokens, [len(kept) for kept, _ in rows], probs, [parents for _, parents in rows])

@@ -225,10 +225,10 @@ class PrefillOnce(ModelRunner):
         super().__init__(*args, **kwargs)
         self._prefills = {}
 
-    def prefill(self, token_ids, all_logits=False):
-        key = (tuple(token_ids), all_logits)
+    def prefill(self, token_ids, all_logits=False, features=False):
+        key = (tuple(token_ids), all_logits, features)
         if key not in self._prefills:
-            self._prefills[key] = super().prefill(token_ids, all_logits=all_logits)
+            self._prefills[key] = super().prefill(token_ids, all_logits=all_logits, features=features)
         return copy.deepcopy(self._prefills[key])
 
 

@@ -44,7 +44,7 @@ def batch(runner: ModelRunner, prompts: list[list[int]]) -> BatchCache:
     """A batch cache holding prompt[:-1] of each row, built as the engine does: prefill, then append_rows."""
     cache = runner.empty_cache()
     for prompt in prompts:
-        row, logits = runner.prefill(prompt[:-1], all_logits=True)
+        row, logits, _ = runner.prefill(prompt[:-1], all_logits=True)
         if len(prompt) > 1:
             assert_matches_full(runner, logits, prompt[:-1])
         runner.append_rows(cache, row)
@@ -53,18 +53,18 @@ def batch(runner: ModelRunner, prompts: list[list[int]]) -> BatchCache:
 
 def test_prefill_logits(runner):
     seq = tokens(6, seed=0)
-    _, last = runner.prefill(seq)
-    _, every = runner.prefill(seq, all_logits=True)
+    _, last, _ = runner.prefill(seq)
+    _, every, _ = runner.prefill(seq, all_logits=True)
     assert last.shape == (1, VOCAB) and every.shape == (6, VOCAB)
     assert_matches_full(runner, last, seq)
     assert_matches_full(runner, every, seq)
-    cache, logits = runner.prefill([])
+    cache, logits, _ = runner.prefill([])
     assert logits.shape == (0, VOCAB) and cache.batch_size == 1 and cache.lengths.tolist() == [0]
 
 
 def test_last_logits_only(runner):
     seq = tokens(8, seed=0)
-    cache, _ = runner.prefill(seq[:4])
+    cache, _, _ = runner.prefill(seq[:4])
     logits, _ = runner.forward(cache, torch.tensor([seq[4:]]), commit=True, last_logits_only=True)
     assert logits.shape == (1, 1, VOCAB)
     assert_matches_full(runner, logits[0], seq)
@@ -72,7 +72,7 @@ def test_last_logits_only(runner):
 
 def test_incremental_decoding_equals_full_forward(runner):
     seq = tokens(14, seed=1)
-    cache, logits = runner.prefill(seq[:5], all_logits=True)
+    cache, logits, _ = runner.prefill(seq[:5], all_logits=True)
     assert_matches_full(runner, logits, seq[:5])
     done = 5
     for chunk in (3, 1, 4, 1):
@@ -85,7 +85,7 @@ def test_incremental_decoding_equals_full_forward(runner):
 @pytest.mark.parametrize("kept", [0, 1, 2])
 def test_rollback_then_reforward(runner, kept):
     prompt, draft, fresh = tokens(6, seed=2), tokens(3, seed=3), tokens(2, seed=4)
-    cache, _ = runner.prefill(prompt)
+    cache, _, _ = runner.prefill(prompt)
     logits = step(runner, cache, [draft], keep=[kept])
     assert_matches_full(runner, logits[0], prompt + draft)
     assert cache.lengths.tolist() == [len(prompt) + kept]
@@ -105,7 +105,7 @@ def test_tree_mask_and_keeping_one_branch(runner):
             mask[node, parent] = True
             parent = parents[parent]
     depths = torch.tensor([[0, 1, 1, 2]])
-    cache, _ = runner.prefill(prompt)
+    cache, _, _ = runner.prefill(prompt)
     logits, _ = runner.forward(cache, torch.tensor([nodes]), tree_mask=mask[None], depths=depths)
     for node, path in enumerate([[r], [r, a], [r, b], [r, a, c]]):
         assert_matches_full(runner, logits[0, node : node + 1], prompt + path)
@@ -149,7 +149,7 @@ def test_remove_rows_and_compact(runner):
 
 def test_compact_keeps_results_and_drops_dead_slots(runner):
     prompt = tokens(4, seed=50)
-    cache, _ = runner.prefill(prompt[:-1])
+    cache, _, _ = runner.prefill(prompt[:-1])
     context = list(prompt)
     for i in range(4):  # each step rejects three of four slots
         step(runner, cache, [context[-1:] + tokens(3, seed=60 + i)], keep=[1])
@@ -177,7 +177,7 @@ def test_row_joining_a_batch_mid_decode(runner):
     cache = batch(runner, [first])
     step(runner, cache, [first[-1:] + [1, 2, 3]], keep=[2])
     first = first + [1, EMITTED]
-    row, _ = runner.prefill(second[:-1])
+    row, _, _ = runner.prefill(second[:-1])
     runner.append_rows(cache, row)
     logits = step(runner, cache, [first[-1:] + [4], second[-1:] + [5]])
     assert_matches_full(runner, logits[0], first + [4])
@@ -206,7 +206,7 @@ def test_drop_last_refuses_slots_that_are_not_valid(runner):
 
 def test_hidden_states(runner):
     seq = tokens(9, seed=100)
-    cache, _ = runner.prefill(seq[:6])
+    cache, _, _ = runner.prefill(seq[:6])
     _, hidden = runner.forward(cache, torch.tensor([seq[6:]]), hidden_states=True, commit=True)
     with torch.no_grad():
         full = runner.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states

@@ -1,8 +1,10 @@
 """The interface every drafter implements.
 
 A drafter keeps one row of state per sequence, in the engine's row order. Each
-step it proposes up to gamma tokens per row with the distribution q it drew
-them from, then learns how many the target kept so it can roll back.
+step it proposes up to gamma tokens per row (a chain, or a tree: see tree.py)
+with the distribution q it drew them from, then learns which the target kept
+so it can roll back. Drafters that read the target's features (its final-normed
+last hidden states: Medusa, EAGLE) get them for every token the target commits.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from ..sequence import Sequence
 
 @dataclass
 class Proposal:
-    """Draft tokens of a batch. Row i proposes tokens[i, :lengths[i]]."""
+    """Draft tokens of a batch. Row i proposes tokens[i, :lengths[i]]: a chain, or a tree when `parents` is set."""
 
     tokens: torch.Tensor  # [B, G] long, padded
     lengths: list[int]
-    probs: torch.Tensor | None  # [B, G, V] q; None when each proposal is deterministic (q one-hot)
+    probs: torch.Tensor | None  # [B, G, V] the q each token was drawn from; None when deterministic (q one-hot)
+    parents: list[list[int]] | None = None  # per row, each node's parent (-1: the row's last token); None: chains
 
     @property
     def width(self) -> int:
@@ -33,12 +36,13 @@ class Drafter(ABC):
     """Proposes draft tokens for a batch of sequences."""
 
     name: str
+    uses_features = False  # the engine runs the target with features and passes them to add() and accepted()
 
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
 
-    def add(self, seq: Sequence) -> None:
-        """A new sequence joins as the last row."""
+    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, H] are its prefilled tokens'."""
 
     def remove(self, keep: list[int]) -> None:
         """Only the rows at indices `keep` stay, in that order."""
@@ -47,5 +51,9 @@ class Drafter(ABC):
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
         """Up to gamma draft tokens for each row."""
 
-    def accepted(self, seqs: list[Sequence], proposal: Proposal, accepted: list[int]) -> None:
-        """The target kept the first accepted[i] tokens of row i's proposal (seqs already extended)."""
+    def accepted(
+        self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
+    ) -> None:
+        """The target kept nodes paths[i] of row i's proposal, root to leaf (a chain's first len(paths[i]));
+        seqs are already extended. features[i] [len(paths[i]) + 1, H] are those of the tokens this step
+        committed to the cache: the row's previous last token, then each kept node (None unless uses_features)."""

@@ -107,8 +107,8 @@ class DraftModelDrafter(ModelDrafter):
         self.runner = runner
         self.cache = runner.empty_cache()
 
-    def add(self, seq: Sequence) -> None:
-        row, _ = self.runner.prefill(seq.tokens[:-1])
+    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+        row, _, _ = self.runner.prefill(seq.tokens[:-1])
         self.runner.append_rows(self.cache, row)
 
     def remove(self, keep: list[int]) -> None:
@@ -133,6 +133,8 @@ class DraftModelDrafter(ModelDrafter):
         logits, _ = self.runner.forward(self.cache, tokens, commit=True)
         return logits[:, 0]
 
-    def accepted(self, seqs: list[Sequence], proposal: Proposal, accepted: list[int]) -> None:
+    def accepted(
+        self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
+    ) -> None:
         # The cache holds the draft tokens fed back; drop those past each row's accepted prefix.
-        self.runner.drop_last(self.cache, [max(self.forwarded - a, 0) for a in accepted])
+        self.runner.drop_last(self.cache, [max(self.forwarded - len(path), 0) for path in paths])

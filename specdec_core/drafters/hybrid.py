@@ -32,8 +32,8 @@ class HybridDrafter(Drafter):
     def attach(self, cache: BatchCache) -> None:
         self.model.attach(cache)
 
-    def add(self, seq: Sequence) -> None:
-        self.model.add(seq)
+    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+        self.model.add(seq, features)
 
     def remove(self, keep: list[int]) -> None:
         self.model.remove(keep)
@@ -59,7 +59,9 @@ class HybridDrafter(Drafter):
                 probs[i, torch.arange(length), tokens[i, :length].to(probs.device)] = 1.0
         return Proposal(tokens=tokens, lengths=lengths, probs=probs)
 
-    def accepted(self, seqs: list[Sequence], proposal: Proposal, accepted: list[int]) -> None:
+    def accepted(
+        self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
+    ) -> None:
         if self._model_proposal is not None:
-            kept = [a if use else 0 for use, a in zip(self._model_rows, accepted)]
-            self.model.accepted(seqs, self._model_proposal, kept)
+            kept = [path if use else [] for use, path in zip(self._model_rows, paths)]
+            self.model.accepted(seqs, self._model_proposal, kept, features)

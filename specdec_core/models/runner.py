@@ -267,13 +267,17 @@ class ModelRunner:
         for layer in _layers(cache.kv):
             layer.keys, layer.values = layer.keys[:, :, : cache.slots], layer.values[:, :, : cache.slots]
 
-    def prefill(self, token_ids: list[int], all_logits: bool = False) -> tuple[BatchCache, torch.Tensor]:
-        """A one-row cache holding `token_ids`, and their logits: [len, V] with all_logits, else the last [1, V]."""
+    def prefill(
+        self, token_ids: list[int], all_logits: bool = False, features: bool = False
+    ) -> tuple[BatchCache, torch.Tensor, torch.Tensor | None]:
+        """A one-row cache holding `token_ids`; their logits ([len, V] with all_logits, else the last [1, V]);
+        with `features`, the final-normed last hidden states [len, H] (what the output layer reads), else None."""
         cache = self.empty_cache()
         if not token_ids:
             cache.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
             cache.lengths = torch.zeros(1, dtype=torch.long, device=self.device)
-            return cache, torch.zeros(0, self.vocab_size, device=self.device)
+            hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device) if features else None
+            return cache, torch.zeros(0, self.vocab_size, device=self.device), hidden
         ids = torch.tensor([token_ids], device=self.device)
-        logits, _ = self.forward(cache, ids, commit=True, last_logits_only=not all_logits)
-        return cache, logits[0]
+        logits, hidden = self.forward(cache, ids, commit=True, last_logits_only=not all_logits, hidden_states=features)
+        return cache, logits[0], hidden[-1][0] if features else None
