@@ -1,0 +1,161 @@
+"""llama.cpp as reference rows in `specdec bench --llama-cpp DIR`: the peer to beat on CPUs.
+
+    python -m specdec_core.bench.llama_cpp build DIR    # once: pinned sdist -> DIR/bin/llama-*
+
+The tools are built from the llama.cpp source vendored in the llama-cpp-python
+sdist on PyPI (pinned by hash; nothing is installed or committed). GCC 12's
+AMX header drops the tile-config setup, so a native build crashes with SIGILL
+on any batch above one token: AMX is switched off (see ../shared/MODELS.md).
+
+The bench runs them on the registry's own GGUF files (the Q4 weights our
+models are converted from) with the same prompt text, and reads their own
+timings: llama-completion for plain decoding, llama-speculative-simple for
+llama.cpp's speculative decoding with the registry's draft model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SDIST = "llama-cpp-python==0.3.36"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build(dest: Path, jobs: int = 2) -> Path:
+    """Download the pinned sdist, build the tools into dest/bin; returns that directory. Shows the build's progress."""
+    dest = dest.resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        requirement = Path(tmp) / "requirements.txt"
+        requirement.write_text(f"{SDIST} --hash=sha256:{SDIST_SHA256}\n")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+             "-r", str(requirement), "-d", tmp],
+            check=True,
+        )
+        (archive,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(archive) as sdist:
+            sdist.extractall(tmp, filter="data")
+        (source,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
+        build_dir = Path(tmp) / "build"
+        subprocess.run(
+            ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+             "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+             "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+            check=True,
+        )
+        subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS], check=True)
+        bin_dir = dest / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for tool in TOOLS:
+            (build_dir / "bin" / tool).replace(bin_dir / tool)
+    return bin_dir
+
+
+def find_tools(directory: Path) -> Path:
+    """The directory holding the tools: DIR itself or DIR/bin; says how to build them when missing."""
+    for candidate in (directory, directory / "bin"):
+        if all((candidate / tool).is_file() for tool in TOOLS[:2]):
+            return candidate
+    raise FileNotFoundError(
+        f"no llama.cpp tools ({', '.join(TOOLS[:2])}) in {directory} or {directory / 'bin'}; "
+        f"build them with: python -m specdec_core.bench.llama_cpp build {directory}"
+    )
+
+
+@dataclass
+class Timing:
+    """One llama.cpp generation, by its own clock."""
+
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    text: str
+    drafted: int | None = None
+    accepted: int | None = None
+
+
+_EVAL = re.compile(r"\b(prompt eval|eval) time\s*=\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)")
+_SPEC = {
+    "decoded": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+    "prefill": re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+}
+
+
+def parse_completion(log: str, text: str) -> Timing:
+    """Timings of llama-completion from its performance summary."""
+    times = {kind: (float(ms) / 1000, int(n)) for kind, ms, n in _EVAL.findall(log)}
+    if "eval" not in times:
+        raise RuntimeError(f"llama-completion printed no eval timing:\n{log[-2000:]}")
+    # Its eval count is the tokens decoded after the first, which prompt eval's last logits produced.
+    decode_s, decoded = times["eval"]
+    prefill_s, _ = times.get("prompt eval", (0.0, 0))
+    return Timing(decoded + 1, prefill_s, decode_s, text)
+
+
+def parse_speculative(log: str, text: str) -> Timing:
+    """Timings and acceptance of llama-speculative-simple from its summary."""
+    decoded = _SPEC["decoded"].search(log)
+    if not decoded:
+        raise RuntimeError(f"llama-speculative-simple printed no summary:\n{log[-2000:]}")
+    prefill = _SPEC["prefill"].search(log)
+    drafted, accepted = _SPEC["drafted"].search(log), _SPEC["accepted"].search(log)
+    return Timing(
+        int(decoded[1]), float(prefill[2]) if prefill else 0.0, float(decoded[2]), text,
+        int(drafted[1]) if drafted else None, int(accepted[1]) if accepted else None,
+    )
+
+
+@dataclass
+class LlamaCpp:
+    """Runs one prompt through llama.cpp's tools, greedy, on `threads` threads."""
+
+    tools: Path
+    model: Path
+    draft: Path | None
+    threads: int
+    gamma: int
+
+    def generate(self, prompt: str, max_tokens: int, speculative: bool) -> Timing:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
+            file.write(prompt)
+            file.flush()
+            common = ["-m", str(self.model), "-f", str(file.name), "-n", str(max_tokens), "-t", str(self.threads),
+                      "--temp", "0", "--seed", "0", "-c", "4096"]
+            if speculative:
+                if self.draft is None:
+                    raise ValueError("llama.cpp speculative decoding needs the config's draft model (speculation.draft_model)")
+                cmd = [str(self.tools / "llama-speculative-simple"), *common, "-md", str(self.draft),
+                       "--spec-type", "draft-simple", "--spec-draft-n-max", str(self.gamma)]
+            else:
+                cmd = [str(self.tools / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode:
+            raise RuntimeError(f"{Path(cmd[0]).name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        parse = parse_speculative if speculative else parse_completion
+        return parse(done.stderr + done.stdout, done.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec_core.bench.llama_cpp", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    build_parser = commands.add_parser("build", help="build llama.cpp's tools from the pinned PyPI sdist")
+    build_parser.add_argument("dest", type=Path, help="directory to put bin/ in")
+    build_parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    args = parser.parse_args(argv)
+    print(f"llama.cpp tools in {build(args.dest, args.jobs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
