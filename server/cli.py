@@ -1,4 +1,4 @@
-"""The `specdec` command: pull, models, plan, generate, serve, bench."""
+"""The `specdec` command: pull, models, plan, generate, serve, bench, calibrate."""
 
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ def bench_command(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def calibrate_command(args: argparse.Namespace) -> int:
+    from specdec_core.calibrate import run
+
+    return run(args)
+
+
 def pull_command(args: argparse.Namespace) -> int:
     from specdec_core.models.registry import pull_command as pull
 
@@ -134,6 +140,12 @@ def parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     p.set_defaults(func=bench_command)
+
+    p = sub.add_parser("calibrate", help="pick layer skip's k by measurement, or measure drafters against plain decoding")
+    from specdec_core.calibrate import add_arguments as calibrate_arguments
+
+    calibrate_arguments(p)
+    p.set_defaults(func=calibrate_command)
     return root
 
 

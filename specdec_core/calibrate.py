@@ -1,7 +1,9 @@
 """Calibrate layer skip's k, and measure drafters against plain decoding, on one loaded target.
 
-    python -m specdec_core.calibrate --config CFG                    # pick speculation.layer_skip.k
-    python -m specdec_core.calibrate --config CFG --drafters layer-skip:layer_skip.k=20,quantized,hybrid
+    specdec calibrate --config CFG                    # pick speculation.layer_skip.k
+    specdec calibrate --config CFG --drafters layer-skip:layer_skip.k=20,quantized,hybrid
+
+(`python -m specdec_core.calibrate` is the same command.)
 
 Picking k takes two stages. First, for every k at once: the acceptance a
 k-layer draft gets, from one forward with hidden states over each prompt and
@@ -29,20 +31,25 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 import yaml
 
 from . import theory
 from .bench.prompts import DEFAULT_PROMPTS, encode, load_prompts, stratified
-from .build import build_drafter, build_engine, load_runner
 from .config import Config
-from .drafters.layer_skip import LayerSkipDrafter
-from .engine import Engine
-from .models.runner import ModelRunner
-from .sampling import SamplingParams, to_probs
-from .sequence import Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from .drafters.layer_skip import LayerSkipDrafter
+    from .engine import Engine
+    from .models.runner import ModelRunner
+    from .sampling import SamplingParams
+
+# server/cli.py imports this module to build its parser: torch, numpy and the models are imported
+# only when a calibration runs, so other commands start fast.
 
 PLAIN = "plain"
 
@@ -93,6 +100,8 @@ class Tally:
 
 def decode_one(engine: Engine, prompt: list[int], params: SamplingParams, max_tokens: int, tally: Tally) -> list[int]:
     """Decode one prompt alone; add its figures to `tally`; return the tokens it generated."""
+    from .sequence import Sequence
+
     seq = Sequence("calibrate", prompt, params, max_tokens)
     start = time.perf_counter()
     engine.add(seq)
@@ -114,6 +123,8 @@ def decode_one(engine: Engine, prompt: list[int], params: SamplingParams, max_to
 
 def measure(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: int, temperature: float) -> dict[str, dict]:
     """Every engine over every prompt, each run between two plain runs; figures per label (PLAIN included)."""
+    from .sampling import SamplingParams
+
     tallies = {label: Tally() for label in engines}
     plain = engines[PLAIN]
     for engine in engines.values():  # warm-up, not counted: first-call allocations, the controller's first costs
@@ -139,32 +150,39 @@ def _timed(engine: Engine, prompt: list[int], params: SamplingParams, max_tokens
     return (tally.tokens - tokens) / (tally.wall_s - wall)
 
 
-@torch.no_grad()
 def layer_acceptance(drafter: LayerSkipDrafter, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
     """[L]: acceptance of a k-layer draft (k = 1..L) at each position of the target's own continuation."""
+    import torch
+
+    from .sampling import SamplingParams, to_probs
+
     target = drafter.target
-    out = target.model(input_ids=torch.tensor([prompt + output], device=target.device), output_hidden_states=True)
-    positions = slice(len(prompt) - 1, len(prompt) + len(output) - 1)
-    p_logits = out.logits[0, positions].float()
-    params = SamplingParams(temperature=temperature or 1.0)
-    p = to_probs(p_logits, params) if temperature else None
-    decoder = target.model.get_decoder()
-    rates = []
-    # hidden_states[k] follows layer k; the last one is already normed (it is the target's own output).
-    for k in range(1, target.num_layers + 1):
-        hidden = out.hidden_states[k][0, positions]
-        hidden = hidden if k == target.num_layers else decoder.norm(hidden)
-        q_logits = drafter.widen(drafter.head(hidden).float())
-        if temperature:
-            rates.append(torch.minimum(p, to_probs(q_logits, params)).sum(-1).mean())
-        else:
-            rates.append((q_logits.argmax(-1) == p_logits.argmax(-1)).float().mean())
-    return torch.stack(rates)
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([prompt + output], device=target.device), output_hidden_states=True)
+        positions = slice(len(prompt) - 1, len(prompt) + len(output) - 1)
+        p_logits = out.logits[0, positions].float()
+        params = SamplingParams(temperature=temperature or 1.0)
+        p = to_probs(p_logits, params) if temperature else None
+        decoder = target.model.get_decoder()
+        rates = []
+        # hidden_states[k] follows layer k; the last one is already normed (it is the target's own output).
+        for k in range(1, target.num_layers + 1):
+            hidden = out.hidden_states[k][0, positions]
+            hidden = hidden if k == target.num_layers else decoder.norm(hidden)
+            q_logits = drafter.widen(drafter.head(hidden).float())
+            if temperature:
+                rates.append(torch.minimum(p, to_probs(q_logits, params)).sum(-1).mean())
+            else:
+                rates.append((q_logits.argmax(-1) == p_logits.argmax(-1)).float().mean())
+        return torch.stack(rates)
 
 
 def layer_costs(drafter: LayerSkipDrafter, prompt: list[int], reps: int = 5) -> np.ndarray:
     """[L]: c(k) for k = 1..L, the median time of a k-layer draft pass over a plain step's, timed at a few k
     and interpolated (the cost is affine in k: k layers plus the embedding and output layers)."""
+    import numpy as np
+    import torch
+
     target = drafter.target
     cache, _, _ = target.prefill(prompt[:-1])
     drafter.attach(cache)
@@ -199,6 +217,11 @@ def calibrate(config: Config, target: ModelRunner, prompts: list[list[int]], max
     Only k's predicted to beat plain are measured, each at its predicted best gamma (fixed, so that the
     measurement shows what speculating at that k gives rather than the controller's fallback to plain).
     """
+    import torch
+
+    from .build import build_drafter, build_engine
+    from .sampling import SamplingParams
+
     plain = build_engine(config, drafter="none", target=target)
     drafter = build_drafter(config, target, "layer-skip")  # with the configured vocabulary and early exit
     outputs = [decode_one(plain, p, SamplingParams(temperature=0), max_tokens, Tally()) for p in prompts]
@@ -229,10 +252,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top", type=int, default=2, help="calibration: how many of the best predicted k to measure")
+    parser.add_argument("--threads", type=int, help="torch CPU threads, overriding the config's model.threads")
 
 
 def run(args: argparse.Namespace) -> int:
+    from .build import build_engine, load_runner
+
     config = Config.load(args.config)
+    if args.threads:
+        config.model.threads = args.threads
     target = load_runner(config.model.target, config.model)
     prompts = [encode(target.tokenizer, p.text) for p in stratified(load_prompts(DEFAULT_PROMPTS), args.num_prompts)]
     if args.drafters:

@@ -2,16 +2,30 @@
 
 Each step picks the gamma in [0, gamma_max] (0 is plain decoding) that
 maximises expected tokens per second for the batch: the sum over rows of
-expected tokens per pass at each row's acceptance, over the measured time of
-gamma draft steps plus one verify pass of B * (gamma + 1) tokens. Costs are
-measured online. A cost never measured is assumed equal to the nearest
-smaller measured one, so the controller tries it once and then knows; that
-is how it finds by itself where large batches make speculation a loss.
+expected tokens per pass, over the measured time of gamma draft steps plus one
+verify pass of B * (gamma + 1) tokens. Three measurements feed it:
+
+- Costs, measured online per pass size. A size never measured is given the
+  lowest cost its measured neighbours allow (a pass never costs less for more
+  tokens, nor more per token), so the controller tries a larger pass once and
+  then knows, without re-trying every size in between as a batch shrinks.
+- Each row's per-token acceptance alpha: accepted tokens over accepted tokens
+  plus rejections, the estimate that fits the chain model's
+  (1 - alpha^(gamma+1)) / (1 - alpha). Accepted over drafted would count the
+  tokens after a rejection, which were never tried, and on drafts that are
+  right or wrong in runs (a draft model's) it underrates long drafts.
+- Each row's fill: the share of the draft tokens asked of it that its drafter
+  proposed. An n-gram drafter proposes nothing for a row with no match; such a
+  row gains nothing from the step, and when no row drafts the step is plain.
+
+Acceptance and fill are shrunk toward the method-wide figures while a row has
+few samples.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -30,41 +44,93 @@ class CostTable:
         self.seconds[size] = elapsed if old is None else self.decay * old + (1 - self.decay) * elapsed
 
     def estimate(self, size: int) -> float | None:
-        """The measured cost at `size`, else the nearest smaller measured one (optimistic), else the smallest."""
+        """The measured cost at `size`; else the lowest cost the measured sizes around it allow.
+
+        A pass costs no less for more tokens (so at least the nearest smaller size's cost) and no more per
+        token (so at least size / larger * the nearest larger size's cost). Optimistic, so an unmeasured size
+        gets tried once, but never below what a larger measured pass implies.
+        """
         if size in self.seconds:
             return self.seconds[size]
         sizes = sorted(self.seconds)
         if not sizes:
             return None
-        below = bisect.bisect_right(sizes, size) - 1
-        return self.seconds[sizes[max(below, 0)]]
+        at = bisect.bisect_right(sizes, size)
+        bounds = []
+        if at > 0:
+            bounds.append(self.seconds[sizes[at - 1]])
+        if at < len(sizes):
+            bounds.append(self.seconds[sizes[at]] * size / sizes[at])
+        return max(bounds)
+
+
+@dataclass
+class RowTally:
+    """What the controller has seen of one sequence: every step since it joined."""
+
+    seq: Sequence
+    asking: int = 0  # draft tokens the step in progress asks of it (gamma, capped by its tokens left)
+    asked: int = 0  # draft tokens the finished steps asked of it
+    rejections: int = 0  # verify steps that rejected one of its draft tokens
+    drafted: int = 0  # seq.stats.draft_tokens after the last finished step
+    accepted: int = 0  # seq.stats.accepted_tokens after the last finished step
+
+    def settle(self) -> bool:
+        """Take in the step in progress, now finished; True if it rejected one of this row's draft tokens."""
+        stats = self.seq.stats
+        rejected = stats.accepted_tokens - self.accepted < stats.draft_tokens - self.drafted
+        self.asked += self.asking
+        self.rejections += rejected
+        self.drafted, self.accepted = stats.draft_tokens, stats.accepted_tokens
+        return rejected
 
 
 @dataclass
 class Controller:
-    """Chooses each step's gamma from measured acceptance and measured costs."""
+    """Chooses each step's gamma from measured acceptance, measured fill and measured costs."""
 
     gamma_max: int = 5
     fixed_gamma: int | None = None  # set: always this gamma (still bounded by max_speculative_batch)
     max_speculative_batch: int = 64  # batches larger than this always decode plainly
-    prior_weight: float = 8.0  # how many draft tokens the method-wide acceptance counts as, per request
+    prior_weight: float = 8.0  # how many draft tokens the method-wide figures count as, per request
     verify: CostTable = field(default_factory=CostTable)  # key: tokens in the pass (batch * width)
     draft: CostTable = field(default_factory=CostTable)  # key: batch size; seconds per draft step
     method_drafted: int = 0
     method_accepted: int = 0
+    method_asked: int = 0
+    method_rejections: int = 0
+    rows: dict[int, RowTally] = field(default_factory=dict)  # by id(seq): the rows of the step in progress
 
     @property
     def method_alpha(self) -> float:
         # Before any measurement assume acceptance is good enough to try speculating.
-        return (self.method_accepted + 4) / (self.method_drafted + 5)
+        return (self.method_accepted + 4) / (self.method_accepted + self.method_rejections + 5)
+
+    @property
+    def method_fill(self) -> float:
+        # Before any measurement assume the drafter proposes what it is asked for.
+        return (self.method_drafted + 1) / (self.method_asked + 1)
 
     def alpha(self, seq: Sequence) -> float:
-        """The request's acceptance, shrunk toward the method-wide rate while it has few samples."""
-        stats = seq.stats
-        alpha = (stats.accepted_tokens + self.prior_weight * self.method_alpha) / (stats.draft_tokens + self.prior_weight)
+        """The request's acceptance per tried draft token, shrunk toward the method-wide rate while it has few samples."""
+        row = self._row(seq)
+        alpha = (row.accepted + self.prior_weight * self.method_alpha) / (row.accepted + row.rejections + self.prior_weight)
         return min(alpha, 0.999)
 
+    def fill(self, seq: Sequence) -> float:
+        """The share of asked draft tokens the request's drafter proposed, shrunk toward the method-wide share."""
+        row = self._row(seq)
+        return min((row.drafted + self.prior_weight * self.method_fill) / (row.asked + self.prior_weight), 1.0)
+
     def choose(self, seqs: list[Sequence]) -> int:
+        self._settle()
+        gamma = self._decide(seqs)
+        self.rows = {id(seq): self._row(seq) for seq in seqs}  # rows that left are forgotten
+        for row in self.rows.values():
+            row.asking = min(gamma, max(row.seq.remaining - 1, 0))  # the engine trims drafts to that
+        return gamma
+
+    def _decide(self, seqs: list[Sequence]) -> int:
         batch = len(seqs)
         if batch == 0 or batch > self.max_speculative_batch:
             return 0
@@ -74,15 +140,30 @@ class Controller:
         plain = self.verify.estimate(batch)
         if plain is None:
             return 0  # measure a plain step first
-        alphas = [self.alpha(seq) for seq in seqs]
+        alphas, fills = [self.alpha(seq) for seq in seqs], [self.fill(seq) for seq in seqs]
+        # A step in which no row drafts is a plain step, whatever gamma was asked.
+        none_drafts = math.prod(1 - f for f in fills)
         best_gamma, best_rate = 0, batch / plain
         for gamma in range(1, cap + 1):
-            draft = self.draft.estimate(batch) or 0.0
-            seconds = gamma * draft + self.verify.estimate(batch * (gamma + 1))
-            rate = sum(expected_tokens(a, gamma) for a in alphas) / seconds
+            tokens = sum(1 + f * (expected_tokens(a, gamma) - 1) for a, f in zip(alphas, fills))
+            verify = (1 - none_drafts) * self.verify.estimate(batch * (gamma + 1)) + none_drafts * plain
+            rate = tokens / (gamma * (self.draft.estimate(batch) or 0.0) + verify)
             if rate > best_rate:
                 best_gamma, best_rate = gamma, rate
         return best_gamma
+
+    def _row(self, seq: Sequence) -> RowTally:
+        row = self.rows.get(id(seq))
+        # A new row: the engine calls choose every step, so its stats are all steps this controller saw.
+        # An id can be reused once its sequence is gone, hence the identity check.
+        return row if row is not None and row.seq is seq else RowTally(seq)
+
+    def _settle(self) -> None:
+        """Take in what the last step's rows were asked, drafted and had rejected, now that the step is done."""
+        for row in self.rows.values():
+            self.method_asked += row.asking
+            self.method_rejections += row.settle()
+            row.asking = 0
 
     def observe(self, batch: int, width: int, verify_s: float, gamma: int, draft_s: float, drafted: int, accepted: int) -> None:
         """Record one step: its verify pass, its drafting, and the acceptance it got."""

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from server.cli import main
+from specdec_core.bench.docs import main as docs_main
 from specdec_core.bench.prompts import Prompt, load_prompts, stratified
 from specdec_core.bench.results import controller_checks, records
 from specdec_core.bench.runner import Method, Run, parse_method
@@ -86,7 +87,10 @@ def test_parse_method_names_and_fixed_gamma():
     assert parse_method("draft-model:g3") == Method("draft-model:g3", "draft-model", 3)
     assert parse_method("none") == Method("plain", "none")
     assert parse_method("ngram").adaptive and not parse_method("ngram:g4").adaptive
-    for bad in ("medusa", "plain:g2", "ngram:g0", "ngram:4"):
+    for drafter in ("layer-skip", "quantized", "hybrid"):  # every drafter the engine has
+        assert parse_method(drafter) == Method(drafter, drafter, None)
+        assert parse_method(f"{drafter}:g2") == Method(f"{drafter}:g2", drafter, 2)
+    for bad in ("no-such-drafter", "plain:g2", "ngram:g0", "ngram:4"):
         with pytest.raises(ValueError):
             parse_method(bad)
 
@@ -140,7 +144,7 @@ def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = [
         "bench", "--config", "configs/tiny-random.yaml", "--prompts", str(prompts),
-        "--drafters", "plain,ngram,ngram:g2,draft-model", "--baseline", "hf-assisted",
+        "--drafters", "plain,ngram,ngram:g2,draft-model,layer-skip:g2,quantized:g2,hybrid:g2", "--baseline", "hf-assisted",
         "--max-prompt-tokens", "200", "--max-tokens", "6", "--batch-sizes", "1,2", "--sweep-rows", "2", "--out", str(out),
     ]
     monkeypatch.setattr(sys, "argv", ["specdec", *argv])
@@ -154,13 +158,15 @@ def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
     assert header["prompts"]["categories"] == ["code", "chat"] and header["prompts"]["left_out"] == ["long"]
 
     keys = {(r["method"], r["batch_size"], r["category"]) for r in results["records"]}
-    methods = ["plain", "ngram", "ngram:g2", "draft-model", "hf-assisted", "hf-prompt-lookup"]
+    engine_methods = ["plain", "ngram", "ngram:g2", "draft-model", "layer-skip:g2", "quantized:g2", "hybrid:g2"]
+    methods = engine_methods + ["hf-assisted", "hf-prompt-lookup"]
     assert {(m, 1, c) for m in methods for c in ("all", "code", "chat")} <= keys
-    assert {(m, 2, "all") for m in methods[:4]} <= keys
+    assert {(m, 2, "all") for m in engine_methods} <= keys
     assert not any(r["method"].startswith("hf-") and r["batch_size"] == 2 for r in results["records"])
     required = {
         "method", "batch_size", "category", "tokens_per_s", "speedup_vs_plain", "acceptance_rate",
         "mean_accepted_length", "mean_gamma", "greedy_match_rate", "prompts", "new_tokens", "acceptance_by_position",
+        "cost_ratio",
     }
     for rec in results["records"]:
         assert required <= set(rec)
@@ -169,8 +175,12 @@ def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
         assert rec["greedy_match_rate"] in (None, 1.0)
         if rec["method"] != "plain" and rec["batch_size"] == 1:
             assert {"median", "mean"} <= set(rec["speedup_vs_plain"])
-    ngram2 = next(r for r in results["records"] if r["method"] == "ngram:g2" and r["batch_size"] == 1 and r["category"] == "all")
-    assert len(ngram2["acceptance_by_position"]) <= 2
+    batch1 = {r["method"]: r for r in results["records"] if r["batch_size"] == 1 and r["category"] == "all"}
+    assert len(batch1["ngram:g2"]["acceptance_by_position"]) <= 2
+    # The cost ratio is measured wherever a model drafted (fixed gamma: it always drafts), and only there.
+    assert batch1["plain"]["cost_ratio"] is None and batch1["hf-assisted"]["cost_ratio"] is None
+    for method in ("layer-skip:g2", "quantized:g2", "hybrid:g2"):
+        assert batch1[method]["cost_ratio"] > 0
 
     assert results["sweep"]["completed"] == [2] and results["sweep"]["stopped"] is None
     assert {c["method"] for c in results["controller"]} == {"ngram", "draft-model"}
@@ -183,6 +193,15 @@ def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
     for png in ("speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_batch.png"):
         assert (out / png).stat().st_size > 0
         assert f"({png})" in report
+
+    # docs/BENCHMARKS.md is generated from such runs: the summary, the controller checks, the report itself.
+    notes, page = tmp_path / "notes.md", tmp_path / "BENCHMARKS.md"
+    notes.write_text("# Benchmarks\n")
+    assert docs_main(["--notes", str(notes), "--out", str(page), str(out)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n") and "## Every drafter at batch 1" in text and "## Run `out`" in text
+    assert f"| tiny-random-llama | 0.0 | `quantized:g2` | {batch1['quantized:g2']['cost_ratio']:.3f} |" in text
+    assert "(benchmarks/out/speedup_vs_batch.png)" in text and "### Adaptive controller" in text
 
 
 def test_bench_without_prompts_file_says_which_option_to_use(tmp_path):

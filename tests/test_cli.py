@@ -74,3 +74,14 @@ def test_plain_generate_with_a_seed_is_reproducible(capsys):
     second, _ = generate(capsys, "--drafter", "none", "--temperature", "1", "--seed", "3", "--no-chat")
     third, _ = generate(capsys, "--drafter", "none", "--temperature", "1", "--seed", "4", "--no-chat")
     assert first == second != third
+
+
+def test_calibrate_measures_drafters_against_plain_decoding(capsys):
+    code, out, _ = run(capsys, "calibrate", "--config", TINY_CONFIG, "--drafters", "ngram,layer-skip:gamma=2",
+                       "--num-prompts", "1", "--max-tokens", "4", "--threads", "1")
+    assert code == 0
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    assert set(rows) == {"plain", "ngram", "layer-skip:gamma=2"}
+    figures = dict(zip(rows["layer-skip:gamma=2"][::2], map(float, rows["layer-skip:gamma=2"][1::2])))
+    assert {"speedup", "cost_ratio", "acceptance", "mean_accepted_length"} <= set(figures)
+    assert figures["cost_ratio"] > 0 and 1 <= figures["mean_accepted_length"] <= 3  # gamma 2: at most 3 per step

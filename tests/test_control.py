@@ -5,6 +5,7 @@ models rather than clocks, so every choice is deterministic.
 """
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -31,21 +32,34 @@ def batch(size: int, max_tokens: int = 1000) -> list[Sequence]:
     return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(), max_tokens) for i in range(size)]
 
 
-def simulate(controller: Controller, seqs: list[Sequence], verify_cost, acceptance: float, steps: int) -> list[int]:
-    """Run `steps` engine-like steps: choose, draft, verify (each draft token kept with `acceptance`), observe."""
+def simulate(
+    controller: Controller, seqs: list[Sequence], verify_cost, acceptance: float, steps: int,
+    drafting: Callable[[int], bool] = lambda row: True, in_runs: bool = False,
+) -> list[int]:
+    """Run `steps` engine-like steps: choose, draft, verify, observe; returns the gammas chosen.
+
+    Rows for which `drafting(row)` is false propose nothing (an n-gram drafter without a match). A draft is
+    kept up to its first rejection, each token with `acceptance`; `in_runs`: all of it or none of it, with
+    `acceptance` (a drafter that is right or wrong for stretches of text).
+    """
     rng = random.Random(0)
     chosen = []
     for _ in range(steps):
         gamma = controller.choose(seqs)
         chosen.append(gamma)
+        lengths = [gamma if drafting(i) else 0 for i in range(len(seqs))]
         accepted = 0
-        for seq in seqs:
-            kept = sum(rng.random() < acceptance for _ in range(gamma))
-            seq.stats.draft_tokens += gamma
+        for seq, length in zip(seqs, lengths):
+            if in_runs:
+                kept = length if rng.random() < acceptance else 0
+            else:
+                kept = next((j for j in range(length) if rng.random() >= acceptance), length)
+            seq.stats.draft_tokens += length
             seq.stats.accepted_tokens += kept
             accepted += kept
-        verify_s = verify_cost(len(seqs) * (gamma + 1))
-        controller.observe(len(seqs), gamma + 1, verify_s, gamma, gamma * DRAFT_S, len(seqs) * gamma, accepted)
+        width = max(lengths)
+        verify_s = verify_cost(len(seqs) * (width + 1))
+        controller.observe(len(seqs), width + 1, verify_s, width, width * DRAFT_S, sum(lengths), accepted)
     return chosen
 
 
@@ -115,15 +129,51 @@ def test_plain_first_until_a_plain_step_is_measured():
     assert controller.choose(batch(1)) > 0  # no acceptance measured yet: optimistic
 
 
-def test_request_acceptance_is_shrunk_toward_the_method_rate():
-    controller = Controller(prior_weight=8.0)
-    controller.observe(1, 3, VERIFY_S, 2, DRAFT_S, drafted=995, accepted=196)  # method rate (196 + 4) / (995 + 5) = 0.2
-    fresh, measured = batch(2)
-    assert controller.alpha(fresh) == pytest.approx(0.2)
-    measured.stats.draft_tokens, measured.stats.accepted_tokens = 1000, 900
-    assert controller.alpha(measured) == pytest.approx((900 + 8 * 0.2) / 1008)
-    measured.stats.draft_tokens = measured.stats.accepted_tokens = 10**6
-    assert controller.alpha(measured) == 0.999  # capped below 1: expected tokens stay finite
+def test_acceptance_counts_tokens_up_to_the_first_rejection_and_is_shrunk_toward_the_method_rate():
+    controller, seqs = Controller(fixed_gamma=4), batch(4)
+    simulate(controller, seqs, flat, acceptance=0.5, steps=300)
+    # Accepted over drafted would be about 0.23: the tokens after a rejection are drafted but never tried.
+    assert controller.method_alpha == pytest.approx(0.5, abs=0.03)
+    (fresh,) = batch(1)
+    assert controller.alpha(fresh) == pytest.approx(controller.method_alpha)  # no samples of its own yet
+    perfect = batch(1)
+    simulate(controller, perfect, flat, acceptance=1.0, steps=100)
+    assert controller.alpha(perfect[0]) > 0.98  # its own 400 accepted tokens outweigh the method's rate
+    simulate(controller, perfect, flat, acceptance=1.0, steps=10_000)
+    assert controller.alpha(perfect[0]) == 0.999  # capped below 1: expected tokens stay finite
+
+
+def test_a_shrinking_compute_bound_batch_is_not_explored_again_at_every_size():
+    controller, seqs = Controller(gamma_max=5), batch(8)
+    simulate(controller, seqs, linear, acceptance=0.8, steps=20)
+    # Rows finish one by one. Every new pass size lies between measured ones, and a pass costs no less per
+    # token for fewer tokens: none is worth trying (before, each looked as cheap as the nearest smaller one).
+    chosen = [g for rows in range(7, 0, -1) for g in simulate(controller, seqs[:rows], linear, acceptance=0.8, steps=3)]
+    assert chosen == [0] * len(chosen)
+
+
+def test_drafts_right_or_wrong_in_runs_get_the_long_gamma_they_pay_for():
+    # All of a draft is kept or none of it: tokens per step 1 + 0.6 gamma, cost 1 + 0.05 gamma: longest is best.
+    # Accepted over drafted (0.6) in the chain formula would make gamma 3 look best and lose a sixth.
+    controller, seqs = Controller(gamma_max=5), batch(1)
+    chosen = simulate(controller, seqs, flat, acceptance=0.6, steps=200, in_runs=True)
+    assert chosen[-20:] == [5] * 20
+
+
+def slightly_compute_bound(tokens: int) -> float:
+    return VERIFY_S * (1 + 0.1 * (tokens - 1))
+
+
+def test_rows_whose_drafter_proposes_nothing_gain_nothing_from_speculating():
+    # One row of four has n-gram matches: its gain does not pay for the other three rows' longer pass.
+    controller, seqs = Controller(gamma_max=5), batch(4)
+    chosen = simulate(controller, seqs, slightly_compute_bound, acceptance=0.8, steps=60, drafting=lambda row: row == 0)
+    assert chosen[-20:] == [0] * 20
+    assert controller.fill(seqs[1]) < 0.3 < controller.fill(seqs[0])
+    # When all four draft, the same costs make speculation pay.
+    controller, seqs = Controller(gamma_max=5), batch(4)
+    chosen = simulate(controller, seqs, slightly_compute_bound, acceptance=0.8, steps=60)
+    assert min(chosen[-20:]) > 0
 
 
 def test_cost_table_estimates():
@@ -131,8 +181,10 @@ def test_cost_table_estimates():
     assert table.estimate(4) is None
     table.observe(4, 1.0)
     table.observe(4, 3.0)
-    table.observe(16, 8.0)
+    table.observe(16, 4.0)
     assert table.estimate(4) == 2.0  # moving average
-    assert table.estimate(8) == 2.0  # unmeasured: the nearest smaller measured size
-    assert table.estimate(64) == 8.0
-    assert table.estimate(1) == 2.0  # below every measured size: the smallest
+    # Unmeasured: the lowest cost the neighbours allow: no less than the smaller pass, no less per token than the larger.
+    assert table.estimate(6) == 2.0
+    assert table.estimate(12) == 3.0
+    assert table.estimate(64) == 4.0  # beyond every measured size: the largest (tried once, then known)
+    assert table.estimate(1) == 0.5  # below every measured size: the smallest's cost per token

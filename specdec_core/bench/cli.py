@@ -20,6 +20,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from ..config import DRAFTERS
 from .prompts import DEFAULT_PROMPTS, Prompt, categories_of, load_prompts, stratified
 from .stats import PLAIN, interleave
 
@@ -48,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/default.yaml", help="YAML config: target, draft model, dtype")
     parser.add_argument(
         "--drafters", type=_list,
-        help="comma-separated methods: plain, ngram, draft-model (adaptive gamma), or with a fixed gamma as in "
-        "ngram:g4; plain is always run, as the reference (default: plain,ngram and draft-model if the config has one)",
+        help=f"comma-separated methods: plain or a drafter ({', '.join(d for d in DRAFTERS if d != 'none')}: "
+        "adaptive gamma), or one with a fixed gamma as in ngram:g4; plain is always run, as the reference "
+        "(default: plain,ngram and draft-model if the config has one)",
     )
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with a 'prompt' or 'turns' field per line (default: Spec-Bench's question.jsonl)")
     parser.add_argument("--categories", type=_list, help="only these categories (comma-separated)")
@@ -211,12 +213,23 @@ def run_bench(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "report.md").write_text(render(results))
     for rec in (r for r in recs if r["category"] == "all"):
-        speedup = rec["speedup_vs_plain"]["median"] if rec["speedup_vs_plain"] else float("nan")
-        print(f"batch {rec['batch_size']:>3} {rec['method']:<18} {rec['tokens_per_s']:7.2f} tok/s  {speedup:5.2f}x")
+        print(_summary_line(rec))
     if sweep.stopped:
         print(f"sweep stopped {sweep.stopped}")
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plots")
     return 0
+
+
+def _summary_line(rec: dict) -> str:
+    """One record's headline figures: throughput, speedup, and what the drafter cost and earned."""
+    from .report import fmt
+
+    speedup = rec["speedup_vs_plain"]["median"] if rec["speedup_vs_plain"] else None
+    return (
+        f"batch {rec['batch_size']:>3} {rec['method']:<18} {rec['tokens_per_s']:7.2f} tok/s  {fmt(speedup, '5.2f', 'x')}  "
+        f"c {fmt(rec['cost_ratio'], '.3f')}  acceptance {fmt(rec['acceptance_rate'], '.1%')}  "
+        f"mean accepted length {fmt(rec['mean_accepted_length'])}"
+    )
 
 
 def _header(

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from .results import ALL, CONTROLLER_TOLERANCE, machine_line
 
 
-def _num(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    """A figure, or a dash where there is none (no drafts, no steps)."""
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
@@ -34,17 +35,18 @@ def _summary_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[s
     return [
         [
             first(r),
-            _num(r["tokens_per_s"]),
-            _num(r["decode_tokens_per_s"]),
+            fmt(r["tokens_per_s"]),
+            fmt(r["decode_tokens_per_s"]),
             _speedup(r["speedup_vs_plain"]),
             _speedup(r["speedup_vs_plain"], "mean"),
             _speedup(r["decode_speedup_vs_plain"]),
-            _num(r["acceptance_rate"], ".1%"),
-            _num(r["mean_accepted_length"]),
-            _num(r["mean_gamma"]),
-            _num(r["speculative_step_fraction"], ".0%"),
-            _num(r["controller_mean_gamma"]),
-            _num(r["greedy_match_rate"], ".0%"),
+            fmt(r["cost_ratio"], ".3f"),
+            fmt(r["acceptance_rate"], ".1%"),
+            fmt(r["mean_accepted_length"]),
+            fmt(r["mean_gamma"]),
+            fmt(r["speculative_step_fraction"], ".0%"),
+            fmt(r["controller_mean_gamma"]),
+            fmt(r["greedy_match_rate"], ".0%"),
             str(r["prompts"]),
             str(r["new_tokens"]),
         ]
@@ -54,7 +56,7 @@ def _summary_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[s
 
 SUMMARY_HEADER = [
     "tokens/s", "decode tokens/s", "speedup (median)", "speedup (mean)", "decode speedup (median)",
-    "acceptance", "mean accepted length", "mean gamma", "speculative steps", "chosen gamma",
+    "cost ratio c", "acceptance", "mean accepted length", "mean gamma", "speculative steps", "chosen gamma",
     "greedy match", "prompts", "new tokens",
 ]
 
@@ -67,10 +69,10 @@ def _time_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[str]
             continue
         other = r["wall_s"] - r["prefill_s"] - r["draft_s"] - r["verify_s"]
         rows.append([
-            first(r), _num(r["wall_s"], ".1f"), _num(r["prefill_s"], ".1f"), _num(r["draft_s"], ".1f"),
-            _num(r["verify_s"], ".1f"), _num(other, ".1f"), _num(r["draft_s"] / r["verify_s"] if r["verify_s"] else None),
-            str(r["steps"]), _num(1000 * r["verify_s"] / r["steps"] if r["steps"] else None, ".0f"),
-            _num(r["new_tokens"] / r["steps"] if r["steps"] else None),
+            first(r), fmt(r["wall_s"], ".1f"), fmt(r["prefill_s"], ".1f"), fmt(r["draft_s"], ".1f"),
+            fmt(r["verify_s"], ".1f"), fmt(other, ".1f"), fmt(r["draft_s"] / r["verify_s"] if r["verify_s"] else None),
+            str(r["steps"]), fmt(1000 * r["verify_s"] / r["steps"] if r["steps"] else None, ".0f"),
+            fmt(r["new_tokens"] / r["steps"] if r["steps"] else None),
         ])
     return rows
 
@@ -110,7 +112,9 @@ def _header_lines(results: dict) -> list[str]:
         "client waits; decode tokens/s and the decode speedup leave prefill out. Plain's own speedup is each plain "
         "run over the previous one: the noise floor. Greedy match is the share of prompts whose output equals the "
         "block's first plain run (for plain: the later plain runs, a determinism check). Speculative steps and "
-        "chosen gamma are the controller's choices; mean gamma is the draft length actually verified.",
+        "chosen gamma are the controller's choices; mean gamma is the draft length actually verified. "
+        "The cost ratio c is the method's drafting seconds per draft position over the seconds of one plain "
+        "step, both measured in this run at the same batch size.",
         "",
     ]
 
@@ -141,7 +145,7 @@ def _batch1_lines(results: dict) -> list[str]:
         lines += ["## Acceptance by draft position (batch 1; drafts verified at that position in brackets)", ""]
         rows = [
             [f"`{r['method']}`"]
-            + [f"{_num(a, '.0%')} ({d})" for a, d in zip(r["acceptance_by_position"], r["drafted_by_position"])]
+            + [f"{fmt(a, '.0%')} ({d})" for a, d in zip(r["acceptance_by_position"], r["drafted_by_position"])]
             + [""] * (width - len(r["acceptance_by_position"]))
             for r in drafting
         ]
@@ -176,29 +180,31 @@ def _sweep_lines(results: dict) -> list[str]:
     return lines
 
 
-def _controller_lines(results: dict) -> list[str]:
-    checks = results["controller"]
-    if not checks:
-        return []
-    lines = [
-        "## Adaptive controller",
-        "",
-        f"What the adaptive controller chose, and whether its decode speedup came within {CONTROLLER_TOLERANCE:.0%} "
-        "of the best of plain and the same drafter's fixed-gamma methods (all medians).",
-        "",
-    ]
+CONTROLLER_INTRO = (
+    f"What the adaptive controller chose, and whether its decode speedup came within {CONTROLLER_TOLERANCE:.0%} "
+    "of the best of plain and the same drafter's fixed-gamma methods (all medians)."
+)
+
+
+def controller_table(checks: list[dict]) -> list[str]:
+    """What each adaptive method chose per batch size, against its best alternative."""
     rows = [
         [
-            str(c["batch_size"]), f"`{c['method']}`", _num(c["speculative_step_fraction"], ".0%"),
-            _num(c["controller_mean_gamma"]), f"{c['decode_speedup']:.2f}x",
+            str(c["batch_size"]), f"`{c['method']}`", fmt(c["speculative_step_fraction"], ".0%"),
+            fmt(c["controller_mean_gamma"]), f"{c['decode_speedup']:.2f}x",
             f"`{c['best_alternative']}` {c['best_alternative_speedup']:.2f}x",
             "yes" if c["within_tolerance"] else "**NO: flagged**",
         ]
         for c in checks
     ]
-    return lines + _table(
+    return _table(
         ["batch size", "method", "speculative steps", "chosen gamma", "decode speedup", "best alternative", "within 5%"], rows
     )
+
+
+def _controller_lines(results: dict) -> list[str]:
+    checks = results["controller"]
+    return ["## Adaptive controller", "", CONTROLLER_INTRO, ""] + controller_table(checks) if checks else []
 
 
 def render(results: dict) -> str:

@@ -47,6 +47,7 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
         "wall_s": sum(run.wall_s for run in runs),
         "prefill_s": sum(run.prefill_s for run in engine_runs) if engine_runs else None,
         "draft_s": sum(run.draft_s for run in engine_runs) if engine_runs else None,
+        "draft_positions": sum(run.draft_positions for run in engine_runs) if engine_runs else None,
         "verify_s": sum(run.verify_s for run in engine_runs) if engine_runs else None,
         "acceptance_by_position": [share(a, d) for a, d in zip(accepted, drafted)],
         "drafted_by_position": drafted,
@@ -75,7 +76,25 @@ def records(runs: Sequence[Run], methods: Sequence[str]) -> list[dict]:
             for category in categories:
                 grouped = [run for run in mine if run.prompts[0].category == category]
                 out.append(record(method, batch_size, category, grouped))
+    add_cost_ratios(out)
     return out
+
+
+def add_cost_ratios(recs: Sequence[dict]) -> None:
+    """Set each record's `cost_ratio` c: its seconds of drafting per draft position over the seconds of one
+    plain step in the plain record of the same batch size and category (None where either is missing).
+
+    Measured, not assumed: for a drafter that sometimes proposes nothing (n-gram, hybrid) it is the mean over
+    the positions it did draft; the time of steps that drafted nothing is in the numerator too.
+    """
+    plain_step_s = {
+        (r["batch_size"], r["category"]): share(r["verify_s"], r["steps"])
+        for r in recs if r["method"] == PLAIN and r["steps"]
+    }
+    for r in recs:
+        per_position = share(r["draft_s"], r["draft_positions"]) if r["draft_positions"] else None
+        step_s = plain_step_s.get((r["batch_size"], r["category"]))
+        r["cost_ratio"] = per_position / step_s if per_position is not None and step_s else None
 
 
 def controller_checks(recs: Sequence[dict], methods: Sequence) -> list[dict]:

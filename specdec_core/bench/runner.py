@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..build import build_engine
-from ..config import Config
+from ..config import DRAFTERS, Config
 from ..control import Controller
 from ..engine import Engine, StepReport
 from ..models.runner import ModelRunner
@@ -28,9 +28,9 @@ from ..sequence import Sequence as Seq
 from .prompts import Prompt, encode
 from .stats import PLAIN, adjacent_ratios, interleave
 
-ENGINE_DRAFTERS = ("ngram", "draft-model")
+ENGINE_DRAFTERS = tuple(d for d in DRAFTERS if d != "none")  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
-_METHOD = re.compile(r"^(plain|none|ngram|draft-model)(?::g(\d+))?$")
+_METHOD = re.compile(rf"^(plain|none|{'|'.join(map(re.escape, ENGINE_DRAFTERS))})(?::g(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,14 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """`plain`, `ngram`, `draft-model` (adaptive gamma), or `ngram:g4`, `draft-model:g3` (fixed gamma)."""
+    """`plain`, or a drafter (`ngram`, `layer-skip`, ...: adaptive gamma), or one with a fixed gamma (`ngram:g4`)."""
     if text in HF_METHODS:
         return Method(text, text)
     match = _METHOD.match(text.strip())
     if not match:
         raise ValueError(
-            f"unknown method {text!r}: use plain, ngram or draft-model, optionally with a fixed gamma as in ngram:g4"
+            f"unknown method {text!r}: use plain or one of {', '.join(ENGINE_DRAFTERS)}, "
+            "optionally with a fixed gamma as in ngram:g4"
         )
     name, gamma = match.groups()
     if name in (PLAIN, "none"):
@@ -93,6 +94,7 @@ class Run:
     wall_s: float  # prefill plus decoding, as a client would wait
     prefill_s: float | None = None  # None for transformers' generate, which does not split it out
     draft_s: float = 0.0
+    draft_positions: int = 0  # draft tokens a step's drafting produced for its longest row, summed over steps
     verify_s: float = 0.0
     steps: int = 0
     chosen_gammas: list[int] = field(default_factory=list)  # the adaptive controller's choice per step
@@ -126,6 +128,7 @@ class Run:
     def add_step(self, report: StepReport) -> None:
         self.steps += 1
         self.draft_s += report.draft_s
+        self.draft_positions += report.gamma
         self.verify_s += report.verify_s
         for totals, counts in ((self.accepted_per_position, report.accepted_per_position),
                                (self.drafted_per_position, report.drafted_per_position)):
