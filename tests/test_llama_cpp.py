@@ -6,10 +6,13 @@ llama-cpp-python 0.3.36), trimmed to their summaries.
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from server.cli import main
 from specdec_core.bench.llama_cpp import find_tools, parse_completion, parse_speculative
 
 LOGS = Path(__file__).parent / "data" / "llama_cpp"
@@ -41,3 +44,39 @@ def test_missing_tools_say_how_to_build_them(tmp_path):
     for tool in ("llama-completion", "llama-speculative-simple"):
         (tmp_path / "bin" / tool).touch()
     assert find_tools(tmp_path) == tmp_path / "bin"
+
+
+def fake_tools(directory: Path) -> Path:
+    """Stand-ins for the two tools that print what the real ones printed (the bench's plumbing, not llama.cpp)."""
+    directory.mkdir()
+    for tool, log in (("llama-completion", "completion.log"), ("llama-speculative-simple", "speculative.log")):
+        script = directory / tool
+        script.write_text(f"#!/bin/sh\necho 'def reverse(s): return s[::-1]'\ncat '{LOGS / log}' >&2\n")
+        script.chmod(0o755)
+    return directory
+
+
+def bench(tmp_path, monkeypatch, config: str, tools: Path) -> list[str]:
+    out = tmp_path / "out"
+    argv = ["bench", "--config", config, "--drafters", "plain", "--num-prompts", "1", "--max-tokens", "4",
+            "--threads", "1", "--llama-cpp", str(tools), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["specdec", *argv])
+    assert main(argv) == 0
+    return json.loads((out / "results.json").read_text())["records"]
+
+
+def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_dir):
+    config = tmp_path / "smollm2-with-draft.yaml"
+    # The GGUF of the target stands in as its own draft: the rows' plumbing is under test, not the pair.
+    config.write_text(Path("configs/smollm2.yaml").read_text().replace("  gamma_max: 5", "  gamma_max: 5\n  draft_model: smollm2-135m"))
+    records = bench(tmp_path, monkeypatch, str(config), fake_tools(tmp_path / "tools"))
+    rows = {r["method"]: r for r in records if r["category"] == "all"}
+    assert {"plain", "llama.cpp", "llama.cpp-speculative"} <= set(rows)
+    # The tools' own clock: 4 tokens of text over their prefill plus decode seconds.
+    assert rows["llama.cpp"]["tokens_per_s"] > 0 and rows["llama.cpp"]["speedup_vs_plain"]
+    assert rows["llama.cpp-speculative"]["acceptance_rate"] == pytest.approx(21 / 30)
+
+
+def test_bench_llama_cpp_needs_registry_models(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="needs registry models"):
+        bench(tmp_path, monkeypatch, "configs/tiny-random.yaml", fake_tools(tmp_path / "tools"))

@@ -26,6 +26,7 @@ from .stats import PLAIN, interleave
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .llama_cpp import LlamaCpp
     from .runner import Bench, Method, Run
 
 # server/cli.py imports this module to build its parser: torch, transformers and
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain-every", type=int, default=1, help="a plain run after every N methods (1: each method between two plain runs)")
     parser.add_argument("--baseline", choices=["hf-assisted"], help="add transformers' assisted generation and prompt lookup (greedy, batch 1)")
     parser.add_argument(
+        "--llama-cpp", type=Path, metavar="DIR",
+        help="add llama.cpp's plain and speculative decoding of the registry's GGUF files as reference rows (greedy, "
+        "batch 1, the config's threads); DIR holds the tools: python -m specdec_core.bench.llama_cpp build DIR",
+    )
+    parser.add_argument(
         "--threads", type=int,
         help="torch CPU threads, overriding the config's model.threads (on a shared machine 1 thread "
         "avoids OpenMP spin-waits on descheduled threads, which make 2-thread timings swing tenfold)",
@@ -79,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _methods(args: argparse.Namespace, draft_model: str | None) -> list[Method]:
-    from .runner import HF_METHODS, Method, parse_method
+    from .runner import HF_METHODS, LLAMA_CPP_METHODS, Method, parse_method
 
     names = args.drafters or ([PLAIN, "ngram"] + (["draft-model"] if draft_model else []))
     try:
@@ -93,6 +99,8 @@ def _methods(args: argparse.Namespace, draft_model: str | None) -> list[Method]:
         methods += [Method(name, name) for name in HF_METHODS if draft_model or name != "hf-assisted"]
         if not draft_model:
             print(f"specdec bench: {args.config} has no draft model: hf-assisted left out", file=sys.stderr)
+    if args.llama_cpp:
+        methods += [Method(name, name) for name in LLAMA_CPP_METHODS if draft_model or name == "llama.cpp"]
     if len({m.label for m in methods}) != len(methods):
         raise SystemExit(f"specdec bench: a method is named twice in {', '.join(m.label for m in methods)}")
     return methods
@@ -158,8 +166,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads:
         config.model.threads = args.threads
     methods = _methods(args, config.speculation.draft_model)
-    if args.baseline and (args.temperature != 0 or 1 not in args.batch_sizes):
-        raise SystemExit("specdec bench: --baseline runs greedy at batch 1; use --temperature 0 and include 1 in --batch-sizes")
+    if (args.baseline or args.llama_cpp) and (args.temperature != 0 or 1 not in args.batch_sizes):
+        raise SystemExit(
+            "specdec bench: --baseline and --llama-cpp run greedy at batch 1; use --temperature 0 and include 1 in --batch-sizes"
+        )
     prompts = _load(args)
     sweep_sizes = [b for b in args.batch_sizes if b > 1]
     sweep_tokens = args.sweep_max_tokens or args.max_tokens
@@ -168,7 +178,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     transformers.logging.set_verbosity_error()  # generate() warns about flags it ignores; the report is the output
 
-    bench = Bench(config, methods, args.temperature, args.seed)
+    bench = Bench(config, methods, args.temperature, args.seed, _llama_cpp(args, config))
     eligible = _short(bench, prompts, args.max_prompt_tokens, "batch 1")
     selected = stratified(eligible, args.num_prompts or len(categories_of(eligible))) if 1 in args.batch_sizes else []
     sweep_limit = min(args.sweep_max_prompt_tokens, args.max_prompt_tokens or args.sweep_max_prompt_tokens)
@@ -218,6 +228,32 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"sweep stopped {sweep.stopped}")
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plots")
     return 0
+
+
+def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
+    """llama.cpp's tools on the GGUF files our registry converted the config's models from."""
+    if not args.llama_cpp:
+        return None
+    from ..models.registry import REGISTRY, cache_dir
+    from .llama_cpp import LlamaCpp, find_tools
+
+    def gguf(name: str) -> Path:
+        if name not in REGISTRY:
+            raise SystemExit(f"specdec bench: --llama-cpp needs registry models (their GGUF files); {name!r} is not one")
+        path = cache_dir() / "gguf" / REGISTRY[name].gguf_file
+        if not path.is_file():
+            raise SystemExit(f"specdec bench: {path} is missing; run: specdec pull {name}")
+        return path
+
+    try:
+        tools = find_tools(args.llama_cpp)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"specdec bench: {exc}") from None
+    spec = config.speculation
+    return LlamaCpp(
+        tools, gguf(config.model.target), gguf(spec.draft_model) if spec.draft_model else None,
+        threads=config.model.threads or os.cpu_count() or 1, gamma=spec.gamma_max,
+    )
 
 
 def _summary_line(rec: dict) -> str:

@@ -70,6 +70,13 @@ def stratified(prompts: Sequence[Prompt], count: int) -> list[Prompt]:
     return chosen[:count]
 
 
+def chat_text(tokenizer, text: str) -> str:
+    """A user turn through the chat template, as text (for tools that tokenize it themselves)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return text
+
+
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of a user turn through the chat template (instruct models give junk on raw text)."""
     if tokenizer.chat_template:

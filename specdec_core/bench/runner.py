@@ -25,11 +25,13 @@ from ..engine import Engine, StepReport
 from ..models.runner import ModelRunner
 from ..sampling import SamplingParams
 from ..sequence import Sequence as Seq
-from .prompts import Prompt, encode
+from .llama_cpp import LlamaCpp
+from .prompts import Prompt, chat_text, encode
 from .stats import PLAIN, adjacent_ratios, interleave
 
 ENGINE_DRAFTERS = tuple(d for d in DRAFTERS if d != "none")  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
+LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-speculative")  # what --llama-cpp DIR adds
 _METHOD = re.compile(rf"^(plain|none|{'|'.join(map(re.escape, ENGINE_DRAFTERS))})(?::g(\d+))?$")
 
 
@@ -38,12 +40,12 @@ class Method:
     """A decoding method as named on the command line: a drafter kind and an optional fixed gamma."""
 
     label: str
-    drafter: str  # "none", an engine drafter, or one of HF_METHODS
+    drafter: str  # "none", an engine drafter, or one of HF_METHODS or LLAMA_CPP_METHODS
     fixed_gamma: int | None = None
 
     @property
     def external(self) -> bool:
-        return self.drafter in HF_METHODS
+        return self.drafter in HF_METHODS + LLAMA_CPP_METHODS
 
     @property
     def adaptive(self) -> bool:
@@ -140,8 +142,11 @@ class Run:
 class Bench:
     """The loaded models and one engine per drafter kind; runs methods over prompts."""
 
-    def __init__(self, config: Config, methods: Sequence[Method], temperature: float, seed: int):
+    def __init__(
+        self, config: Config, methods: Sequence[Method], temperature: float, seed: int, llama_cpp: LlamaCpp | None = None
+    ):
         self.config = config
+        self.llama_cpp = llama_cpp
         self.temperature = temperature
         self.seed = seed
         kinds = {m.drafter for m in methods if not m.external} | {"none"}
@@ -179,6 +184,8 @@ class Bench:
         return SamplingParams(temperature=self.temperature, seed=self.seed + zlib.crc32(prompt.id.encode()))
 
     def run(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        if method.drafter in LLAMA_CPP_METHODS:
+            return self._run_llama_cpp(method, prompts, max_tokens, block)
         if method.external:
             return self._run_hf(method, prompts, max_tokens, block)
         return self._run_engine(method, prompts, max_tokens, block)
@@ -232,6 +239,22 @@ class Bench:
             )
         wall_s = time.perf_counter() - start
         return Run(method.label, 1, block, prompts, [out[0, ids.shape[1] :].tolist()], wall_s)
+
+    def _run_llama_cpp(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        """llama.cpp's own tools on the registry's GGUF of the same model: an outside reference, greedy, batch 1.
+
+        Its clock, not ours: prefill and decode as the tools report them, without their model load.
+        The output is counted in our tokenizer (the GGUF carries the same vocabulary).
+        """
+        if len(prompts) != 1:
+            raise ValueError("llama.cpp's tools decode one prompt at a time")
+        timing = self.llama_cpp.generate(
+            chat_text(self.target.tokenizer, prompts[0].text), max_tokens, speculative=method.drafter != "llama.cpp"
+        )
+        output = self.target.tokenizer.encode(timing.text, add_special_tokens=False)[:max_tokens]
+        run = Run(method.label, 1, block, prompts, [output], timing.prefill_s + timing.decode_s, timing.prefill_s)
+        run.draft_tokens, run.accepted_tokens = timing.drafted or 0, timing.accepted or 0
+        return run
 
 
 def run_block(
