@@ -1,4 +1,4 @@
-"""The `specdec` command: pull, models, plan, generate, serve, bench, calibrate."""
+"""The `specdec` command: pull, models, plan, generate, serve, bench, calibrate, train."""
 
 from __future__ import annotations
 
@@ -146,6 +146,11 @@ def parser() -> argparse.ArgumentParser:
 
     calibrate_arguments(p)
     p.set_defaults(func=calibrate_command)
+
+    p = sub.add_parser("train", help="train drafter heads on the target's own predictions (self-distillation)")
+    from specdec_core.train.cli import add_arguments as train_arguments
+
+    train_arguments(p)  # one subcommand per trainer (medusa, ...), each setting its own func
     return root
 
 

@@ -11,12 +11,17 @@ from torch import nn
 from .config import DRAFTERS, MODEL_DRAFTERS, Config, ModelConfig
 from .control import Controller
 from .drafters.base import Drafter
+from .drafters.distilled import DistilledDrafter, default_student_name, load_student
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.layer_skip import LayerSkipDrafter, default_k
+from .drafters.medusa import MedusaDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.quantized import QuantizedDrafter, quantized_copy
 from .engine import Engine
+from .models.eagle_net import load_eagle
+from .models.medusa_heads import default_heads_name, load_heads
 from .models.quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
 from .models.runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
 from .models.tiny import is_tiny, tiny_model, tiny_tokenizer
@@ -101,6 +106,12 @@ def build_drafter(config: Config, target: ModelRunner, drafter: str | None = Non
     if name == "hybrid":
         ngram = NgramDrafter(spec.hybrid.min_n, max(spec.hybrid.min_n, spec.ngram.max_n), spec.ngram.max_len)
         return HybridDrafter(ngram, build_drafter(config, target, spec.hybrid.drafter))
+    if name == "medusa":
+        return medusa_drafter(config, target)
+    if name == "eagle":
+        return eagle_drafter(config, target)
+    if name == "distilled":
+        return distilled_drafter(config, target)
     if name not in MODEL_DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
     cache_dir = registry_dir(config.model.target)
@@ -119,6 +130,30 @@ def build_drafter(config: Config, target: ModelRunner, drafter: str | None = Non
     if vocab is not None:
         vocab.reduce_output(draft.model)
     return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)
+
+
+def medusa_drafter(config: Config, target: ModelRunner) -> MedusaDrafter:
+    """The config's trained Medusa heads over `target`; heads not trained yet raise MissingHeadsError,
+    which names the command that trains them."""
+    settings = config.speculation.medusa
+    heads, _, vocab = load_heads(settings.heads or default_heads_name(config.model.target), config.model.target)
+    return MedusaDrafter(target, heads, _reducible(vocab, target.model), settings.tree_nodes, settings.top_k)
+
+
+def eagle_drafter(config: Config, target: ModelRunner) -> EagleDrafter:
+    """The config's trained EAGLE network over `target`; weights not trained yet raise MissingEagleError,
+    which names the command that trains them."""
+    settings = config.speculation.eagle
+    net = load_eagle(settings.weights or f"{config.model.target}-eagle", target.model, config.model.target)
+    return EagleDrafter(net, settings.top_k, settings.depth, settings.total_tokens)
+
+
+def distilled_drafter(config: Config, target: ModelRunner) -> DistilledDrafter:
+    """The config's distilled student over `target`; one not trained yet raises MissingStudentError,
+    which names the command that trains it."""
+    spec = config.speculation
+    adapter, meta, vocab = load_student(spec.distilled.student or default_student_name(config.model.target), config.model.target)
+    return DistilledDrafter(target, adapter, meta["student"]["k"], _reducible(vocab, target.model), spec.early_exit)
 
 
 def eos_ids(runner: ModelRunner) -> set[int]:

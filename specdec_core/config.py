@@ -8,7 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DRAFTERS = ("none", "draft-model", "ngram", "layer-skip", "quantized", "hybrid")
+DRAFTERS = ("none", "draft-model", "ngram", "layer-skip", "quantized", "hybrid", "medusa", "eagle", "distilled")
 MODEL_DRAFTERS = ("layer-skip", "draft-model", "quantized")  # drafters that run a model: the hybrid's choices
 
 
@@ -59,6 +59,23 @@ class HybridConfig(Section):
     drafter: Literal[MODEL_DRAFTERS] = Field("layer-skip", description="The model drafter for rows without such a match")
 
 
+class MedusaConfig(Section):
+    heads: str | None = Field(None, description="Trained heads: a name under <cache>/heads (`specdec train medusa --out NAME`) or a directory; null: <model.target>-medusa")
+    tree_nodes: int = Field(4, ge=1, description="Most nodes of the candidate tree built each step from the heads' top-k, all verified in one target pass (on this CPU a wider pass costs more than it keeps: 4 nodes beat 8 and 16 on smollm2-135m)")
+    top_k: int = Field(2, ge=1, description="Candidates taken from each head: the most children a tree node has (at 4 nodes, 2 beat 1: a chain)")
+
+
+class EagleConfig(Section):
+    weights: str | None = Field(None, description="Trained EAGLE network: a name under <cache>/eagle (`specdec train eagle --out NAME`); null: <model.target>-eagle")
+    total_tokens: int = Field(8, ge=1, description="Nodes of the draft tree verified each step: the best by cumulative draft probability (EAGLE-2 reranking); on this CPU a verify pass grows with them (13 tokens: ~1.9x a plain step on smollm2-135m)")
+    depth: int = Field(4, ge=1, description="Most levels of the draft tree (also capped by gamma)")
+    top_k: int = Field(2, ge=1, description="Children per expanded node, and nodes expanded per level")
+
+
+class DistilledConfig(Section):
+    student: str | None = Field(None, description="Trained layer-skip student: a name under <cache>/students (`specdec train distill --out NAME`) or a directory; null: <model.target>-distilled. Its k is the one it was trained with")
+
+
 class SpeculationConfig(Section):
     drafter: Literal[DRAFTERS] = Field("ngram", description="Drafting method; none decodes plainly")
     draft_model: str | None = Field(None, description="The draft-model drafter's model (same tokenizer as the target)")
@@ -71,6 +88,9 @@ class SpeculationConfig(Section):
     layer_skip: LayerSkipConfig = Field(default_factory=LayerSkipConfig, description="layer-skip (self-speculative) settings")
     quantized: QuantizedConfig = Field(default_factory=QuantizedConfig, description="quantized-copy drafter settings")
     hybrid: HybridConfig = Field(default_factory=HybridConfig, description="hybrid (n-gram, else a model drafter) settings")
+    medusa: MedusaConfig = Field(default_factory=MedusaConfig, description="Medusa heads and their per-step candidate tree (depth: gamma, at most the heads)")
+    eagle: EagleConfig = Field(default_factory=EagleConfig, description="EAGLE feature drafter and its dynamic draft tree (depth: at most gamma)")
+    distilled: DistilledConfig = Field(default_factory=DistilledConfig, description="Distilled student: the target's first k layers and a trained adapter (early_exit applies)")
 
 
 class ServerConfig(Section):

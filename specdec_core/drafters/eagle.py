@@ -1,0 +1,158 @@
+"""EAGLE-2 drafting: a dynamic token tree grown by the EAGLE network over its own predicted features.
+
+State per row: the draft network's cache holds the pairs (feature_t, token_{t+1}) of every token
+but the row's last, built from the target's real features; `roots` holds the network's predicted
+feature of the last token (from the last pair), whose logits draft the first tree level.
+
+A proposal (Li et al. 2024, EAGLE-2) grows the tree level by level: every expanded node proposes
+its top_k tokens, each scored by its cumulative draft log-probability (the product of the draft
+probabilities along its path, a proxy for the chance the target accepts it); the top_k children
+of a level by that score are fed to the network as pending slots of its cache (tree attention)
+and expanded next. Finally all grown nodes are reranked by score and the best `total_tokens`
+form the proposal; a child never outscores its parent, so the kept nodes form a tree. Tokens
+are deterministic (q one-hot), which keeps tree sampling exact. The pending slots are dropped
+after the proposal: once the target has judged it, `accepted` feeds the committed tokens with
+the target's real features, as EAGLE does, so the cache never holds a rejected node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.eagle_net import CacheOps, EagleNet
+from ..models.runner import ModelRunner
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    uses_features = True
+
+    def __init__(self, net: EagleNet, top_k: int, depth: int, total_tokens: int):
+        self.net = net
+        self.top_k = top_k
+        self.depth = depth
+        self.total_tokens = total_tokens
+        device = net.fc.weight.device
+        self.ops = CacheOps(device)
+        self.cache = self.ops.empty_cache()
+        self.roots = torch.zeros(0, net.hidden_size, dtype=net.fc.weight.dtype, device=device)
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+        row = self.ops.empty_cache()
+        n = len(features)
+        if n:
+            tokens = torch.tensor([seq.tokens[1 : n + 1]], device=self.ops.device)
+            keep = torch.ones(1, n, dtype=torch.bool, device=self.ops.device)
+            root = self.net.feed(self.ops, row, features[None], tokens, keep)[0, -1]
+        else:  # a one-token prompt has no feature yet: a zero root drafts poorly but exactly
+            row.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.ops.device)
+            row.lengths = torch.zeros(1, dtype=torch.long, device=self.ops.device)
+            root = self.roots.new_zeros(self.net.hidden_size)
+        self.ops.append_rows(self.cache, row)
+        self.roots = torch.cat([self.roots, root[None]])
+
+    def remove(self, keep: list[int]) -> None:
+        self.ops.remove_rows(self.cache, keep)
+        self.roots = self.roots[torch.tensor(keep, dtype=torch.long, device=self.roots.device)]
+
+    @torch.no_grad()
+    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+        tree = self._grow(min(gamma, self.depth))
+        ModelRunner.drop_pending(self.cache)
+        tokens, parents = tree.best(self.total_tokens)
+        return Proposal(tokens=tokens.cpu(), lengths=[tokens.shape[1]] * len(seqs), probs=None, parents=parents)
+
+    def _grow(self, depth: int) -> "Tree":
+        """All nodes of `depth` levels, expanding the top_k of each level by cumulative log-probability."""
+        net, k = self.net, self.top_k
+        batch = self.roots.shape[0]
+        device = self.roots.device
+        tree = Tree(batch, device)
+        features = self.roots[:, None]  # [B, F, H]: the expanded nodes' predicted features (F = 1: the roots)
+        scores = torch.zeros(batch, 1, device=device)
+        nodes = torch.full((batch, 1), -1, dtype=torch.long, device=device)  # their indices in `tree`
+        ancestors = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)  # over pending slots, self included
+        for level in range(1, depth + 1):
+            top = net.logits(features).log_softmax(-1).topk(k, dim=-1)  # [B, F, k]
+            first = tree.size
+            child_scores = (scores[..., None] + top.values).flatten(1)
+            tree.extend(net.full_ids(top.indices.flatten(1)), nodes[..., None].expand(-1, -1, k).flatten(1), child_scores)
+            if level == depth:
+                break
+            scores, pick = child_scores.topk(k, dim=-1)  # the level's best children, expanded next
+            parent = pick // k  # which expanded node each is a child of: a pending slot of the last level
+            previous = ancestors[:, ancestors.shape[1] - features.shape[1] :] if level > 1 else ancestors.new_zeros(batch, 1, 0)
+            rows = _take(previous, parent)  # the children see their parent's slot and its ancestors
+            nodes = first + pick
+            features = net.feed_pending(self.cache, _take(features, parent), tree.tokens.gather(1, nodes), level, rows)
+            ancestors = _grow_ancestors(ancestors, rows)
+        return tree
+
+    @torch.no_grad()
+    def accepted(
+        self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
+    ) -> None:
+        # Pairs (feature_t, token_{t+1}) of the tokens this step committed, t from each row's count of pairs on.
+        fed = self.cache.lengths.tolist()
+        counts = [min(len(f), len(seq.tokens) - 1 - start) for f, seq, start in zip(features, seqs, fed)]
+        width = max(counts, default=0)
+        if not width:
+            return
+        device = self.ops.device
+        batch = len(seqs)
+        inputs = self.roots.new_zeros(batch, width, self.net.hidden_size)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        keep = torch.zeros(batch, width, dtype=torch.bool)
+        for i, (seq, start, count) in enumerate(zip(seqs, fed, counts)):
+            inputs[i, :count] = features[i][:count]
+            tokens[i, :count] = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
+            keep[i, :count] = True
+        predicted = self.net.feed(self.ops, self.cache, inputs, tokens.to(device), keep.to(device))
+        last = torch.tensor([max(count - 1, 0) for count in counts], device=device)
+        has = torch.tensor([count > 0 for count in counts], device=device)
+        self.roots = torch.where(has[:, None], predicted[torch.arange(batch, device=device), last], self.roots)
+
+
+def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, F, D] at index [B, k] along F: [B, k, D]."""
+    return values.gather(1, index[..., None].expand(-1, -1, values.shape[2]))
+
+
+def _grow_ancestors(ancestors: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The ancestor matrix [B, P, P] over pending slots with k new slots whose ancestor rows are `rows` [B, k, P]."""
+    batch, k, pending = rows.shape
+    top = torch.cat([ancestors, ancestors.new_zeros(batch, pending, k)], dim=2)
+    bottom = torch.cat([rows, torch.eye(k, dtype=torch.bool, device=rows.device).expand(batch, k, k)], dim=2)
+    return torch.cat([top, bottom], dim=1)
+
+
+class Tree:
+    """Grown nodes of a batch, in growth order (a parent before its children): tokens, parents, scores [B, N]."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.parents = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.scores = torch.zeros(batch, 0, device=device)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def extend(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> None:
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)
+        self.parents = torch.cat([self.parents, parents], dim=1)
+        self.scores = torch.cat([self.scores, scores], dim=1)
+
+    def best(self, budget: int) -> tuple[torch.Tensor, list[list[int]]]:
+        """The `budget` best-scored nodes of each row in growth order, and their parents renumbered.
+
+        The sort is stable, so on a tie the parent (grown first) still ranks before its child."""
+        order = torch.sort(self.scores, dim=1, descending=True, stable=True).indices[:, :budget]
+        chosen = order.sort(dim=1).values
+        renumber = torch.full_like(self.parents, -1)
+        renumber.scatter_(1, chosen, torch.arange(chosen.shape[1], device=chosen.device).expand_as(chosen))
+        old_parents = self.parents.gather(1, chosen)
+        parents = torch.where(old_parents < 0, old_parents, renumber.gather(1, old_parents.clamp_min(0)))
+        return self.tokens.gather(1, chosen), parents.tolist()

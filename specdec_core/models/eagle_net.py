@@ -1,0 +1,187 @@
+"""The EAGLE draft network (Li et al. 2024, EAGLE-1/2): it predicts the target's next feature.
+
+A feature is the target's final-normed last hidden state, what its lm_head reads. The draft
+reads pairs (feature_t, token_{t+1}): fc([feature_t ; embed(token_{t+1})]) -> H, then one decoder
+layer of the target's own architecture (its config with one layer), whose output is its guess
+of feature_{t+1}; the target's frozen lm_head turns that into a draft for token_{t+2}. Drafting
+deeper feeds the draft's own predicted feature back with the token drafted from it. The pair at
+feature index t sits at rotary position t.
+
+The embedding and the lm_head are the target's own, frozen and never saved. The output layer may
+be the lm_head's rows for a reduced vocabulary (specdec_core/vocab.py): the draft then predicts
+only over those ids, and exactness is untouched (the target verifies over all of them).
+
+The network keeps its own `BatchCache` (shared slots, a per-row valid mask), so its rows roll
+back exactly as the target's do: the bookkeeping is ModelRunner's (`CacheOps`).
+
+Trained weights live in ``<cache root>/eagle/<name>/``: ``eagle.safetensors`` (fc, the layer,
+and ``vocab_ids`` when the vocabulary is reduced) and ``eagle.json`` (architecture and what it
+was trained on).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..vocab import ReducedVocab
+from .registry import cache_dir
+from .runner import BatchCache, ModelRunner
+
+WEIGHTS_FILE = "eagle.safetensors"
+META_FILE = "eagle.json"
+VOCAB_KEY = "vocab_ids"
+
+
+class MissingEagleError(FileNotFoundError):
+    """EAGLE weights a config names have not been trained (or were trained for another target)."""
+
+
+class CacheOps(ModelRunner):
+    """ModelRunner's row and slot bookkeeping (append, remove, commit, drop pending), which needs only a
+    device: the draft network's cache rolls back by the very rules of the target's."""
+
+    def __init__(self, device: torch.device):  # no model: only the cache methods are used
+        self.device = device
+
+
+def eagle_dir(name: str) -> Path:
+    """Where the EAGLE weights called `name` live."""
+    return cache_dir() / "eagle" / name.replace("/", "--")
+
+
+class EagleNet(nn.Module):
+    """fc over [feature ; token embedding], one decoder layer of the target's kind; frozen embed and head."""
+
+    def __init__(self, target: nn.Module, vocab: ReducedVocab | None = None):
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = 1
+        config._attn_implementation = "sdpa"
+        decoder = target.get_decoder()
+        hidden = config.hidden_size
+        dtype = next(target.parameters()).dtype
+        device = next(target.parameters()).device
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True, dtype=dtype, device=device)
+        self.layer = type(decoder.layers[0])(config, layer_idx=0).to(dtype=dtype, device=device)
+        self.rotary = type(decoder.rotary_emb)(config=config).to(device)
+        # Frozen and shared with the target, kept out of the module tree so they are never saved or trained.
+        head = target.get_output_embeddings()
+        self._frozen = {"embed": decoder.embed_tokens, "head": vocab.head(head) if vocab else head}
+        self.vocab = vocab
+        self.hidden_size = hidden
+
+    @property
+    def embed(self) -> nn.Module:
+        return self._frozen["embed"]
+
+    @property
+    def head(self) -> nn.Module:
+        return self._frozen["head"]
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., V'] from (predicted) features [..., H]; V' is the reduced vocabulary when there is one."""
+        return self.head(features).float()
+
+    def full_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids of the output layer's rows `ids`, as the target's vocabulary numbers them."""
+        return self.vocab.ids.to(ids.device)[ids] if self.vocab is not None else ids
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        kv=None,
+    ) -> torch.Tensor:
+        """Predicted next features [B, k, H] of pairs (features [B, k, H], tokens [B, k]) at rotary `positions`
+        [B, k]; `mask` [B, k, past + k] (bool: query attends key) covers `kv`'s slots then the new pairs,
+        whose keys and values are appended to `kv` (a DynamicCache) when one is given."""
+        hidden = self.fc(torch.cat([features.to(self.fc.weight.dtype), self.embed(tokens)], dim=-1))
+        additive = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
+        additive.masked_fill_(~mask, torch.finfo(hidden.dtype).min)
+        rotary = self.rotary(hidden, positions)
+        return self.layer(
+            hidden, attention_mask=additive[:, None], position_ids=positions, cache=kv,
+            use_cache=kv is not None, position_embeddings=rotary,
+        )
+
+    # -- the draft's own cache -------------------------------------------------
+
+    @torch.no_grad()
+    def feed(self, ops: CacheOps, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Append pairs [B, k] causally after each row's valid slots and keep those where `keep` [B, k];
+        returns the predicted features [B, k, H]. There must be no pending (tree) slots."""
+        batch, k = tokens.shape
+        if cache.batch_size == 0:
+            cache.valid = torch.zeros(batch, 0, dtype=torch.bool, device=ops.device)
+            cache.lengths = torch.zeros(batch, dtype=torch.long, device=ops.device)
+        causal = torch.ones(k, k, dtype=torch.bool, device=ops.device).tril().expand(batch, k, k)
+        mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), causal], dim=2)
+        positions = cache.lengths[:, None] + torch.arange(k, device=ops.device)
+        predicted = self(features, tokens, positions, mask, cache.kv)
+        cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=ops.device)], dim=1)
+        ops.commit(cache, keep)
+        return predicted
+
+    @torch.no_grad()
+    def feed_pending(
+        self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, depth: int, pending_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Tree nodes [B, k] at `depth` (1: children of the row's last token) as pending slots after earlier ones:
+        each attends its row's valid slots, the pending slots `pending_mask` [B, k, P] allows, and itself.
+        Drop them with ModelRunner.drop_pending. Returns the predicted features [B, k, H]."""
+        batch, k = tokens.shape
+        self_mask = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(batch, k, k)
+        mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), pending_mask, self_mask], dim=2)
+        positions = (cache.lengths + depth - 1)[:, None].expand(batch, k)
+        return self(features, tokens, positions, mask, cache.kv)
+
+    # -- saving and loading ----------------------------------------------------
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """What training changes (fc and the layer), plus the reduced vocabulary's ids."""
+        state = {key: value.detach().contiguous() for key, value in self.state_dict().items()}
+        if self.vocab is not None:
+            state[VOCAB_KEY] = self.vocab.ids
+        return state
+
+    def save(self, directory: Path, meta: dict) -> None:
+        """Weights and `meta` (plus the architecture) into `directory`, each renamed into place."""
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f"{WEIGHTS_FILE}.partial"
+        save_file(self.trained_state(), str(tmp))
+        tmp.replace(directory / WEIGHTS_FILE)
+        meta = {**meta, "hidden_size": self.hidden_size, "vocab_size": self.vocab.size if self.vocab else None}
+        (directory / f"{META_FILE}.partial").write_text(json.dumps(meta, indent=2) + "\n")
+        (directory / f"{META_FILE}.partial").replace(directory / META_FILE)
+
+
+def read_vocab(state: dict[str, torch.Tensor], full_size: int) -> ReducedVocab | None:
+    """The reduced vocabulary saved with the weights, if any."""
+    return ReducedVocab(state[VOCAB_KEY], full_size) if VOCAB_KEY in state else None
+
+
+def load_eagle(name: str, target: nn.Module, target_name: str) -> EagleNet:
+    """The trained EAGLE network `name` for `target`; MissingEagleError naming the command that trains it."""
+    directory = eagle_dir(name)
+    train = f"specdec train eagle --config CFG --out {name}"
+    if not (directory / WEIGHTS_FILE).is_file() or not (directory / META_FILE).is_file():
+        raise MissingEagleError(f"no EAGLE weights at {directory}; train them with `{train}` (CFG's target: {target_name})")
+    meta = json.loads((directory / META_FILE).read_text())
+    if meta.get("target") != target_name or meta.get("hidden_size") != target.config.hidden_size:
+        raise MissingEagleError(
+            f"EAGLE weights {name!r} were trained for {meta.get('target')!r}, not {target_name!r}; "
+            f"train them with `{train}`"
+        )
+    state = load_file(str(directory / WEIGHTS_FILE), device=str(next(target.parameters()).device))
+    net = EagleNet(target, read_vocab(state, target.get_output_embeddings().weight.shape[0]))
+    state.pop(VOCAB_KEY, None)
+    net.load_state_dict(state)
+    return net.eval().requires_grad_(False)

@@ -1,0 +1,176 @@
+"""Knowledge distillation of a layer-skip student (drafters/distilled.py) toward the frozen target.
+
+Data: the feature cache of train/data.py (never Spec-Bench). The target's distribution at a
+position is lm_head(hidden) of the cached final-normed hidden state; the student's input there is
+the final-normed hidden state after the target's first k layers, computed once from the cached
+tokens by running only those layers (the same `forward_layers` pass the drafter runs, so training
+sees exactly what drafting sees) and cached next to the features as ``layers<k>-<shard>``, one
+file per feature shard, so an interrupted computation resumes at the shard it was in.
+
+Loss: T^2 * KL(p_T || q_T), p_T the target's softmax at temperature T, q_T the student's (Hinton et
+al. 2015; T^2 keeps the gradient's scale independent of T). Over the reduced vocabulary when there
+is one (both distributions restricted to it). AdamW with a cosine schedule, resumable from
+``checkpoint.pt`` (Medusa's checkpoint helpers), epochs over the cached positions.
+
+Held-out report, untrained (plain layer skip with the same k) and trained: the KL at T, top-1
+agreement with the target's argmax (the greedy acceptance rate of one draft token), and
+sum_x min(p(x), q(x)) at temperature 1 (the acceptance rate of one sampled draft token).
+
+Only this student is implemented; fine-tuning the same-family draft model as a student is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from tqdm import tqdm
+
+from ..drafters.distilled import Adapter, save_student, student_dir
+from ..models.medusa_heads import full_ids, output_layer
+from ..models.runner import ModelRunner
+from ..vocab import ReducedVocab
+from .data import Features, _save_atomic
+from .distill_cli import DistillSettings
+from .medusa import CHECKPOINT_FILE, _checkpoint, _restore, _step
+
+EVAL_BATCH = 256
+
+
+@dataclass
+class StudentInputs:
+    """The final-normed hidden states after the first k layers at every cached position, per split."""
+
+    train: torch.Tensor  # [N_train, H]
+    heldout: torch.Tensor  # [N_heldout, H]
+
+
+@torch.no_grad()
+def first_layers(runner: ModelRunner, ids: list[int], k: int) -> torch.Tensor:
+    """[len(ids), H]: what the layer-skip draft's output layer reads at each position of `ids`."""
+    cache, _, _ = runner.prefill([])  # an empty one-row cache
+    return runner.forward_layers(cache, torch.tensor([ids], device=runner.device), k)[0].cpu()
+
+
+def student_inputs(runner: ModelRunner, data: Features, k: int, progress: bool = True) -> StudentInputs:
+    """The student's inputs for `data`, computed (first k layers only) for the shards not cached yet."""
+    files = data.meta["files"]
+    splits = {}
+    with tqdm(total=sum(data.meta["positions"].values()), desc=f"first {k} layers ({runner.name})", unit="tok",
+              disable=not progress) as bar:
+        for split in ("train", "heldout"):
+            parts = []
+            for name in files[split]:
+                path = data.directory / f"layers{k}-{name}"
+                if not path.is_file():
+                    shard = load_file(str(data.directory / name))
+                    sequences = shard["tokens"].split(shard["lengths"].tolist())
+                    _save_atomic({"hidden": torch.cat([first_layers(runner, ids.tolist(), k) for ids in sequences])}, path)
+                parts.append(load_file(str(path))["hidden"])
+                bar.update(len(parts[-1]))
+            splits[split] = torch.cat(parts)
+    return StudentInputs(**splits)
+
+
+def distill_loss(student_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * mean over positions of KL(p_T || q_T)."""
+    target = F.log_softmax(target_logits / temperature, dim=-1)
+    student = F.log_softmax(student_logits / temperature, dim=-1)
+    return F.kl_div(student, target, log_target=True, reduction="batchmean") * temperature**2
+
+
+@torch.no_grad()
+def heldout_report(adapter: Adapter, out: nn.Module, vocab: ReducedVocab | None, inputs: torch.Tensor,
+                   data: Features, temperature: float) -> dict[str, float]:
+    """The student against the target on the held-out positions: KL at T, top-1 agreement, sampled acceptance."""
+    kl, top1, accept = 0.0, 0.0, 0.0
+    for start in range(0, len(inputs), EVAL_BATCH):
+        student = out(adapter(inputs[start : start + EVAL_BATCH].float()))
+        target = out(data.heldout.hidden[start : start + EVAL_BATCH].float())
+        kl += float(distill_loss(student, target, temperature)) / temperature**2 * len(student)
+        top1 += float((full_ids(student.argmax(-1), vocab) == data.heldout.predicted[start : start + EVAL_BATCH]).sum())
+        accept += float(torch.minimum(student.softmax(-1), target.softmax(-1)).sum())
+    n = max(len(inputs), 1)
+    return {"kl": round(kl / n, 4), "top1": round(top1 / n, 4), "accept_t1": round(accept / n, 4)}
+
+
+def fit(module: nn.Module, count: int, loss_of: Callable[[torch.Tensor], torch.Tensor], settings: DistillSettings,
+        checkpoint: Path, identity: dict, resume: bool, desc: str, progress: bool = True) -> list[float]:
+    """Train `module` with AdamW and a cosine schedule over `settings.epochs` seeded passes of `count` positions in
+    batches of `settings.batch_size`, `loss_of(batch)` the loss of a batch of position indices; checkpointed every
+    `checkpoint_every` steps and at each epoch's end, continued from `checkpoint` when `resume`. The mean loss per epoch."""
+    steps_per_epoch = -(-count // settings.batch_size)
+    total_steps = steps_per_epoch * settings.epochs
+    optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    # A checkpoint only continues the run that made it (`identity`: settings, data, vocabulary).
+    step, epoch_losses = _restore(checkpoint, identity, module, optimizer, scheduler) if resume and checkpoint.is_file() else (0, [])
+    with tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not progress) as bar:
+        while step < total_steps:
+            epoch, offset = divmod(step, steps_per_epoch)
+            # The epoch's order comes from its seed, so a resumed epoch skips exactly the batches already done.
+            order = torch.randperm(count, generator=torch.Generator().manual_seed(settings.seed + epoch))
+            losses = []
+            for batch in order[offset * settings.batch_size :].split(settings.batch_size):
+                losses.append(_step(loss_of(batch), optimizer, scheduler))
+                step += 1
+                bar.update(1)
+                bar.set_postfix(epoch=epoch + 1, loss=f"{sum(losses) / len(losses):.4f}")
+                if step % settings.checkpoint_every == 0:
+                    _checkpoint(checkpoint, module, optimizer, scheduler, step, epoch_losses, identity)
+            epoch_losses.append(round(sum(losses) / max(len(losses), 1), 4))
+            _checkpoint(checkpoint, module, optimizer, scheduler, step, epoch_losses, identity)
+    return epoch_losses
+
+
+def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings, out: str,
+                  vocab: ReducedVocab | None = None, resume: bool = False, progress: bool = True) -> dict:
+    """Distill a layer-skip student of `runner`'s first `settings.k` layers on `data`; save it as `out`; its JSON's dict."""
+    torch.manual_seed(settings.seed)
+    directory = student_dir(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    inputs = student_inputs(runner, data, settings.k, progress)
+    layers_s = time.perf_counter() - start
+    adapter = Adapter(runner.config.hidden_size, settings.width)
+    # The output layer in float32 (on this CPU float32 products beat bfloat16 ones), frozen.
+    out_layer = output_layer(runner.model.get_output_embeddings(), vocab).float().requires_grad_(False)
+    untrained = heldout_report(adapter, out_layer, vocab, inputs.heldout, data, settings.temperature)
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target_logits = out_layer(data.train.hidden[batch].float())
+        return distill_loss(out_layer(adapter(inputs.train[batch].float())), target_logits, settings.temperature)
+
+    identity = {"settings": dataclasses.asdict(settings), "data": str(data.directory),
+                "vocab_size": None if vocab is None else vocab.size}
+    checkpoint = directory / CHECKPOINT_FILE
+    start = time.perf_counter()
+    epoch_losses = fit(adapter, len(inputs.train), loss_of, settings, checkpoint, identity, resume,
+                       f"train distill ({out})", progress)
+    train_s = time.perf_counter() - start
+
+    meta = {
+        "target": data.meta["target"],
+        "student": {"kind": "layer-skip", "k": settings.k},
+        "data": {"features": str(data.directory), **data.meta["settings"], "sources": data.meta.get("sources")},
+        "tokens": {"train": len(data.train), "heldout": len(data.heldout)},
+        "train": dataclasses.asdict(settings),
+        "epoch_loss": epoch_losses,  # mean training loss of each epoch (a resumed epoch: its resumed part)
+        "heldout": {"untrained": untrained, "trained": heldout_report(adapter, out_layer, vocab, inputs.heldout, data,
+                                                                      settings.temperature)},
+        "extract_s": data.meta["extract_s"],
+        "layers_s": round(layers_s, 1),  # computing (or loading) the student's inputs
+        "train_s": round(train_s, 1),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    meta = save_student(adapter, directory, meta, vocab)
+    checkpoint.unlink()  # the run is complete: student.json says so
+    return meta

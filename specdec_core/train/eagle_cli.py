@@ -1,0 +1,47 @@
+"""`specdec train eagle`: its arguments and entry point, importable without torch (the CLI's parser reads them)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .settings import EagleSettings
+
+DEFAULTS = EagleSettings()
+
+
+def add_arguments(trainers) -> None:
+    """`eagle` as a subcommand of `specdec train` (`trainers`: the train command's subparsers)."""
+    from .cli import add_common_arguments
+
+    p = trainers.add_parser("eagle", help="the EAGLE draft network by self-distillation (target frozen)")
+    add_common_arguments(p, "eagle", DEFAULTS.epochs, DEFAULTS.lr)
+    p.add_argument("--batch-sequences", type=int, default=DEFAULTS.batch_sequences, help="sequences per step")
+    p.set_defaults(func=eagle_command)
+
+
+def eagle_command(args) -> int:
+    from ..build import load_runner, registry_dir
+    from ..config import Config
+    from ..models.eagle_net import eagle_dir
+    from ..vocab import reduced_vocab
+    from .cli import data_settings
+    from .data import features
+    from .eagle import train
+
+    logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
+    config = Config.load(args.config)
+    target = config.model.target
+    # Trained in float32 (a bf16 backward on a CPU is slow and coarse); the saved weights load into any dtype.
+    runner = load_runner(target, config.model.model_copy(update={"dtype": "fp32", "weights": None}))
+    data = features(runner, data_settings(args))
+    vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
+    settings = EagleSettings(epochs=args.epochs, batch_sequences=args.batch_sequences, lr=args.lr)
+    name = args.out or f"{target}-eagle"
+    meta = train(runner, data, eagle_dir(name), settings, vocab, args.resume)
+    print(f"eagle {name!r} for {target}: {meta['data']['positions']} positions, {settings.epochs} epochs, "
+          f"vocabulary {meta['vocab_size'] or 'full'}, {meta['train_s']} s; loss {meta['first_loss']['loss']:.3f} -> "
+          f"{meta['last_loss']['loss']:.3f}; held out: top-1 agreement {meta['heldout']['top1_agreement']:.1%}, "
+          f"chain acceptance length {meta['heldout']['acceptance_length']:.2f} (depth {settings.depth}, a lower bound)")
+    print(f"saved to {eagle_dir(name)}", file=sys.stderr)
+    return 0

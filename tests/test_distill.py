@@ -1,0 +1,122 @@
+"""The distilled layer-skip student: distillation on the tiny random model lowers the KL to the target and
+raises held-out agreement and acceptance over the untrained student (plain layer skip); decoding through
+the student is exact (greedy equality, and the chi-square harness of test_exactness for sampling); the
+CLI trains a student that a config then selects; a missing student says how to train it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from server.cli import main
+from specdec_core.build import build_engine
+from specdec_core.config import Config
+from specdec_core.control import Controller
+from specdec_core.drafters.distilled import Adapter, DistilledDrafter, MissingStudentError, load_student
+from specdec_core.engine import Engine
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence
+from specdec_core.train import distill as distill_module
+from specdec_core.train.distill import first_layers, student_inputs, train_distill
+from specdec_core.train.distill_cli import DistillSettings
+
+from .helpers import decode, greedy_reference, tiny_runner
+from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
+from .test_exactness import ALPHA, PARAMS, ROWS, VOCAB, exact, generate, pvalues
+from .test_train import CONFIG, DATA, cache, data, runner  # noqa: F401  (fixtures: the tiny target and its feature cache)
+
+SETTINGS = DistillSettings(k=1, width=128, epochs=4, batch_size=64, lr=3e-3, checkpoint_every=20)
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[1, 2, 3, 4, 5], [7], [3, 9, 3, 9, 3, 9, 3], [11, 4, 2, 8, 6, 1, 0, 5, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def trained(runner, data):
+    return train_distill(runner, data, SETTINGS, "tiny-student", progress=False)
+
+
+def distilled_config(student: str) -> Config:
+    return Config.model_validate({
+        "model": {"target": "tiny-random-llama", "dtype": "fp32", "device": "cpu", "threads": 1},
+        "speculation": {"drafter": "distilled", "gamma": 4, "distilled": {"student": student}},
+    })
+
+
+def random_adapter(hidden: int, scale: float, seed: int) -> Adapter:
+    """An adapter whose weights are random: its drafts are often, not always, the target's."""
+    adapter = Adapter(hidden, 32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in adapter.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return adapter.eval().requires_grad_(False)
+
+
+def test_student_inputs_are_what_the_drafter_reads(runner, data):
+    inputs = student_inputs(runner, data, 1, progress=False)
+    first = data.heldout.tokens[: data.heldout.lengths[0]].tolist()
+    assert inputs.heldout.shape == (len(data.heldout), runner.config.hidden_size)
+    assert torch.allclose(inputs.heldout[: len(first)], first_layers(runner, first, 1))
+
+
+def test_distillation_lowers_the_kl_and_raises_acceptance(trained):
+    before, after = trained["heldout"]["untrained"], trained["heldout"]["trained"]
+    assert after["kl"] < 0.8 * before["kl"], trained["heldout"]
+    assert after["top1"] > before["top1"], trained["heldout"]
+    assert after["accept_t1"] > before["accept_t1"], trained["heldout"]
+    assert trained["epoch_loss"][-1] < trained["epoch_loss"][0]
+
+
+def test_greedy_through_the_student_equals_plain_greedy(runner, trained):
+    adapter, meta, vocab = load_student("tiny-student", runner.name)
+    drafter = DistilledDrafter(runner, adapter, meta["student"]["k"], vocab)
+    engine = Engine(runner, drafter, Controller(gamma_max=4, fixed_gamma=4), eos_token_ids=set())
+    seqs = [Sequence(f"r{i}", prompt, GREEDY, 20 - 3 * i) for i, prompt in enumerate(PROMPTS)]
+    decode(engine, seqs[:2], joins={3: seqs[2:]})
+    for seq in seqs:
+        assert seq.output_ids == greedy_reference(runner, seq.prompt_ids, seq.max_tokens)
+    assert sum(seq.stats.accepted_tokens for seq in seqs) > 0
+
+
+@pytest.mark.parametrize("setting", list(PARAMS))
+def test_sampling_through_the_student_is_distributed_as_the_target(setting):
+    target = tiny_runner(seed=0, vocab=VOCAB)
+    drafter = DistilledDrafter(target, random_adapter(target.config.hidden_size, 0.3, seed=4), k=1)
+    prompt, params = [1, 2, 3, 4, 5], PARAMS[setting]
+    tokens, seqs = generate(target, drafter, prompt, params, ROWS)
+    kept = sum(seq.stats.accepted_tokens for seq in seqs) / sum(seq.stats.draft_tokens for seq in seqs)
+    assert 0.1 < kept < 0.9, kept  # drafts both kept and rejected: both branches of the rule ran
+    assert min(pvalues(tokens, exact(target, prompt, params)).values()) > ALPHA
+
+
+def test_an_interrupted_run_resumes_to_the_same_student(runner, data, monkeypatch):
+    settings = DistillSettings(k=1, width=32, epochs=2, batch_size=128, checkpoint_every=5)
+    train_distill(runner, data, settings, "whole", progress=False)
+    save = distill_module._checkpoint
+    monkeypatch.setattr(distill_module, "_checkpoint", lambda *args: save(*args) or sys.exit("interrupted"))
+    with pytest.raises(SystemExit):
+        train_distill(runner, data, settings, "resumed", progress=False)
+    monkeypatch.setattr(distill_module, "_checkpoint", save)
+    train_distill(runner, data, settings, "resumed", resume=True, progress=False)
+    whole, resumed = (load_student(name, runner.name)[0].state_dict() for name in ("whole", "resumed"))
+    assert all(torch.equal(whole[key], resumed[key]) for key in whole)
+
+
+def test_cli_trains_a_student_a_config_selects(data, capsys):
+    assert main(["train", "distill", "--config", CONFIG, "--student", "layer-skip:1", "--out", "cli-student",
+                 "--epochs", "1", "--width", "32", "--batch-size", "128", "--tokens", str(DATA.tokens),
+                 "--seq-len", str(DATA.seq_len), "--prompts", str(DATA.prompts),
+                 "--answer-tokens", str(DATA.answer_tokens)]) == 0
+    assert "top-1 agreement" in capsys.readouterr().out
+    engine = build_engine(distilled_config("cli-student"))
+    assert isinstance(engine.drafter, DistilledDrafter) and engine.drafter.k == 1
+    seq = Sequence("r", PROMPTS[0], GREEDY, 12)
+    decode(engine, [seq])
+    assert seq.output_ids == greedy_reference(engine.target, PROMPTS[0], 12)
+
+
+def test_missing_student_says_how_to_train_it(cache):
+    with pytest.raises(MissingStudentError, match=r"specdec train distill .*--out never-trained"):
+        build_engine(distilled_config("never-trained"))
