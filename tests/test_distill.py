@@ -18,7 +18,7 @@ from specdec_core.drafters.distilled import Adapter, DistilledDrafter, MissingSt
 from specdec_core.engine import Engine
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_core.train import distill as distill_module
+from specdec_core.train import loop as loop_module
 from specdec_core.train.distill import first_layers, student_inputs, train_distill
 from specdec_core.train.distill_cli import DistillSettings
 
@@ -94,11 +94,11 @@ def test_sampling_through_the_student_is_distributed_as_the_target(setting):
 def test_an_interrupted_run_resumes_to_the_same_student(runner, data, monkeypatch):
     settings = DistillSettings(k=1, width=32, epochs=2, batch_size=128, checkpoint_every=5)
     train_distill(runner, data, settings, "whole", progress=False)
-    save = distill_module._checkpoint
-    monkeypatch.setattr(distill_module, "_checkpoint", lambda *args: save(*args) or sys.exit("interrupted"))
+    save = loop_module.save_checkpoint
+    monkeypatch.setattr(loop_module, "save_checkpoint", lambda *args: save(*args) or sys.exit("interrupted"))
     with pytest.raises(SystemExit):
         train_distill(runner, data, settings, "resumed", progress=False)
-    monkeypatch.setattr(distill_module, "_checkpoint", save)
+    monkeypatch.setattr(loop_module, "save_checkpoint", save)
     train_distill(runner, data, settings, "resumed", resume=True, progress=False)
     whole, resumed = (load_student(name, runner.name)[0].state_dict() for name in ("whole", "resumed"))
     assert all(torch.equal(whole[key], resumed[key]) for key in whole)

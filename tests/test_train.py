@@ -13,6 +13,7 @@ from specdec_core.build import load_runner
 from specdec_core.config import Config
 from specdec_core.models.medusa_heads import MedusaHeads, MissingHeadsError, head_logits, load_heads, output_layer
 from specdec_core.train import data as data_module
+from specdec_core.train import loop as loop_module
 from specdec_core.train import medusa as medusa_module
 from specdec_core.train.data import features
 from specdec_core.train.medusa import train_medusa
@@ -129,16 +130,16 @@ def test_an_interrupted_run_resumes_to_the_same_heads(runner, data, monkeypatch)
     lm_head = runner.model.get_output_embeddings()
     settings = TrainSettings(epochs=2, batch_size=128, checkpoint_every=10)
     whole = train_medusa(lm_head, data, settings, "whole", progress=False)
-    save = medusa_module._checkpoint
+    save = loop_module.save_checkpoint
 
     def interrupt_after_first(*args, **kwargs):
         save(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(medusa_module, "_checkpoint", interrupt_after_first)
+    monkeypatch.setattr(loop_module, "save_checkpoint", interrupt_after_first)
     with pytest.raises(KeyboardInterrupt):
         train_medusa(lm_head, data, settings, "resumed", progress=False)
-    monkeypatch.setattr(medusa_module, "_checkpoint", save)
+    monkeypatch.setattr(loop_module, "save_checkpoint", save)
     resumed = train_medusa(lm_head, data, settings, "resumed", resume=True, progress=False)
     assert resumed["agreement"] == whole["agreement"]
     for a, b in zip(load_heads("whole", TARGET)[0].parameters(), load_heads("resumed", TARGET)[0].parameters()):

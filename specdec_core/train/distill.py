@@ -10,7 +10,7 @@ file per feature shard, so an interrupted computation resumes at the shard it wa
 Loss: T^2 * KL(p_T || q_T), p_T the target's softmax at temperature T, q_T the student's (Hinton et
 al. 2015; T^2 keeps the gradient's scale independent of T). Over the reduced vocabulary when there
 is one (both distributions restricted to it). AdamW with a cosine schedule, resumable from
-``checkpoint.pt`` (Medusa's checkpoint helpers), epochs over the cached positions.
+``checkpoint.pt`` (train/loop.py, shared with Medusa), epochs over the cached positions.
 
 Held-out report, untrained (plain layer skip with the same k) and trained: the KL at T, top-1
 agreement with the target's argmax (the greedy acceptance rate of one draft token), and
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +37,7 @@ from ..models.runner import ModelRunner
 from ..vocab import ReducedVocab
 from .data import Features, _save_atomic
 from .distill_cli import DistillSettings
-from .medusa import CHECKPOINT_FILE, _checkpoint, _restore, _step
+from .loop import CHECKPOINT_FILE, fit
 
 EVAL_BATCH = 256
 
@@ -99,35 +97,6 @@ def heldout_report(adapter: Adapter, out: nn.Module, vocab: ReducedVocab | None,
         accept += float(torch.minimum(student.softmax(-1), target.softmax(-1)).sum())
     n = max(len(inputs), 1)
     return {"kl": round(kl / n, 4), "top1": round(top1 / n, 4), "accept_t1": round(accept / n, 4)}
-
-
-def fit(module: nn.Module, count: int, loss_of: Callable[[torch.Tensor], torch.Tensor], settings: DistillSettings,
-        checkpoint: Path, identity: dict, resume: bool, desc: str, progress: bool = True) -> list[float]:
-    """Train `module` with AdamW and a cosine schedule over `settings.epochs` seeded passes of `count` positions in
-    batches of `settings.batch_size`, `loss_of(batch)` the loss of a batch of position indices; checkpointed every
-    `checkpoint_every` steps and at each epoch's end, continued from `checkpoint` when `resume`. The mean loss per epoch."""
-    steps_per_epoch = -(-count // settings.batch_size)
-    total_steps = steps_per_epoch * settings.epochs
-    optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    # A checkpoint only continues the run that made it (`identity`: settings, data, vocabulary).
-    step, epoch_losses = _restore(checkpoint, identity, module, optimizer, scheduler) if resume and checkpoint.is_file() else (0, [])
-    with tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not progress) as bar:
-        while step < total_steps:
-            epoch, offset = divmod(step, steps_per_epoch)
-            # The epoch's order comes from its seed, so a resumed epoch skips exactly the batches already done.
-            order = torch.randperm(count, generator=torch.Generator().manual_seed(settings.seed + epoch))
-            losses = []
-            for batch in order[offset * settings.batch_size :].split(settings.batch_size):
-                losses.append(_step(loss_of(batch), optimizer, scheduler))
-                step += 1
-                bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{sum(losses) / len(losses):.4f}")
-                if step % settings.checkpoint_every == 0:
-                    _checkpoint(checkpoint, module, optimizer, scheduler, step, epoch_losses, identity)
-            epoch_losses.append(round(sum(losses) / max(len(losses), 1), 4))
-            _checkpoint(checkpoint, module, optimizer, scheduler, step, epoch_losses, identity)
-    return epoch_losses
 
 
 def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings, out: str,

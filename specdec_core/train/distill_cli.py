@@ -16,6 +16,7 @@ class DistillSettings:
     epochs: int = 2
     batch_size: int = 256  # positions per step
     lr: float = 1e-3
+    weight_decay: float = 0.01  # AdamW's default
     temperature: float = 1.0  # T of the softened distributions
     checkpoint_every: int = 100  # steps
     seed: int = 0
