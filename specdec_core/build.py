@@ -39,10 +39,9 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
     its linear layers quantized when `model.weights` asks for it."""
     runner = _load_float_runner(name, model)
     if model.weights in QUANTIZED:
-        from .models.registry import REGISTRY, model_dir
-
         # Only registry models' directories are ours to write into; others are quantized on every start.
-        cache = cache_file(model_dir(name), model.weights, DEFAULT_GROUP_SIZE, runner.device) if name in REGISTRY else None
+        directory = registry_dir(name)
+        cache = cache_file(directory, model.weights, DEFAULT_GROUP_SIZE, runner.device) if directory else None
         # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
         quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
     return runner

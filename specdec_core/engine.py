@@ -65,6 +65,11 @@ class Engine:
             drafter.attach(self.cache)
 
     @property
+    def wants_features(self) -> bool:
+        """Whether the drafter reads the target's features, so passes must return them."""
+        return bool(self.drafter and self.drafter.uses_features)
+
+    @property
     def method(self) -> str:
         return self.drafter.name if self.drafter else "none"
 
@@ -78,7 +83,7 @@ class Engine:
             seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
             for token in seq.output_ids:
                 seq.counts[token] += 1
-        features = bool(self.drafter and self.drafter.uses_features)
+        features = self.wants_features
         row, logits, hidden = self.target.prefill(seq.tokens[:-1], all_logits=prompt_logits, features=features)
         self.target.append_rows(self.cache, row)
         if self.drafter:
@@ -118,7 +123,7 @@ class Engine:
         parents = [row[:n] for row, n in zip(proposal.parents, proposal.lengths)] if proposal.parents else None
         tree_mask, offsets = batch_layout(parents, width) if parents else (None, None)
         device = self.target.device
-        features = bool(self.drafter and self.drafter.uses_features)
+        features = self.wants_features
         start = time.perf_counter()
         logits, hidden = self.target.forward(
             self.cache, ids.to(device), tree_mask=None if tree_mask is None else tree_mask.to(device),

@@ -234,13 +234,13 @@ def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
     """llama.cpp's tools on the GGUF files our registry converted the config's models from."""
     if not args.llama_cpp:
         return None
-    from ..models.registry import REGISTRY, cache_dir
+    from ..models.registry import REGISTRY, gguf_path
     from .llama_cpp import LlamaCpp, find_tools
 
     def gguf(name: str) -> Path:
         if name not in REGISTRY:
             raise SystemExit(f"specdec bench: --llama-cpp needs registry models (their GGUF files); {name!r} is not one")
-        path = cache_dir() / "gguf" / REGISTRY[name].gguf_file
+        path = gguf_path(REGISTRY[name])
         if not path.is_file():
             raise SystemExit(f"specdec bench: {path} is missing; run: specdec pull {name}")
         return path

