@@ -33,11 +33,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import yaml
-
 from . import theory
 from .bench.prompts import DEFAULT_PROMPTS, encode, load_prompts, stratified
-from .config import Config
+from .config import Config, with_overrides
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,21 +50,6 @@ if TYPE_CHECKING:
 # only when a calibration runs, so other commands start fast.
 
 PLAIN = "plain"
-
-
-def with_overrides(config: Config, spec: str) -> Config:
-    """`name` or `name:key=value:...` (keys are dotted paths under `speculation`) as a config with that drafter."""
-    name, *pairs = spec.split(":")
-    data = config.model_dump()
-    data["speculation"]["drafter"] = name
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        *path, leaf = key.split(".")
-        node = data["speculation"]
-        for part in path:
-            node = node[part]
-        node[leaf] = yaml.safe_load(value)
-    return Config.model_validate(data)
 
 
 @dataclass

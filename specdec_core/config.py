@@ -162,3 +162,21 @@ class Config(Section):
             return cls.model_validate(data)
         except Exception as exc:
             raise ValueError(f"invalid config {path}: {exc}") from exc
+
+
+def with_overrides(config: Config, spec: str) -> Config:
+    """`name` or `name:key=value:...` (keys are dotted paths under `speculation`) as a config with that drafter."""
+    name, *pairs = spec.split(":")
+    data = config.model_dump()
+    data["speculation"]["drafter"] = name
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        *path, leaf = key.split(".")
+        node = data["speculation"]
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node or not value:
+            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section "
+                             "(as in distilled:distilled.student=NAME or layer-skip:layer_skip.k=8)")
+        node[leaf] = yaml.safe_load(value)
+    return Config.model_validate(data)

@@ -90,7 +90,12 @@ def test_parse_method_names_and_fixed_gamma():
     for drafter in ("layer-skip", "quantized", "hybrid"):  # every drafter the engine has
         assert parse_method(drafter) == Method(drafter, drafter, None)
         assert parse_method(f"{drafter}:g2") == Method(f"{drafter}:g2", drafter, 2)
-    for bad in ("no-such-drafter", "plain:g2", "ngram:g0", "ngram:4"):
+    student = "distilled:distilled.student=qwen-student"
+    assert parse_method(student) == Method(student, "distilled", None, "distilled.student=qwen-student")
+    assert parse_method(f"{student}:g3").engine == parse_method(student).engine == f"distilled:distilled.student=qwen-student"
+    assert parse_method("layer-skip:layer_skip.k=8:vocab_size=512:g2") == Method(
+        "layer-skip:layer_skip.k=8:vocab_size=512:g2", "layer-skip", 2, "layer_skip.k=8:vocab_size=512")
+    for bad in ("no-such-drafter", "plain:g2", "ngram:g0", "ngram:4", "plain:vocab_size=8", "ngram:g2:max_n=3"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

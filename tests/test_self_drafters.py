@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from specdec_core.build import build_drafter, eos_ids
-from specdec_core.calibrate import layer_acceptance, with_overrides
-from specdec_core.config import Config, ModelConfig, SpeculationConfig
+from specdec_core.calibrate import layer_acceptance
+from specdec_core.config import Config, ModelConfig, SpeculationConfig, with_overrides
 from specdec_core.control import Controller
 from specdec_core.drafters.hybrid import HybridDrafter
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
@@ -293,6 +293,9 @@ def test_overrides_name_a_drafter_and_its_settings():
     config = with_overrides(Config(model=TINY_CONFIG), "layer-skip:layer_skip.k=3:vocab_size=200:gamma=2")
     spec = config.speculation
     assert (spec.drafter, spec.layer_skip.k, spec.vocab_size, spec.gamma) == ("layer-skip", 3, 200, 2)
+    for bad in ("layer-skip:layer_skip.kk=3", "layer-skip:no_such.k=3", "layer-skip:gamma", "layer-skip:gamma="):
+        with pytest.raises(ValueError, match="key of the speculation section"):
+            with_overrides(Config(model=TINY_CONFIG), bad)
 
 
 def test_layer_acceptance_of_all_layers_is_one(target):

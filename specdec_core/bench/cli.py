@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafters", type=_list,
         help=f"comma-separated methods: plain or a drafter ({', '.join(d for d in DRAFTERS if d != 'none')}: "
-        "adaptive gamma), or one with a fixed gamma as in ngram:g4; plain is always run, as the reference "
+        "adaptive gamma), optionally with speculation settings and a fixed gamma, as in ngram:g4 or "
+        "distilled:distilled.student=NAME:g3; plain is always run, as the reference "
         "(default: plain,ngram and draft-model if the config has one)",
     )
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with a 'prompt' or 'turns' field per line (default: Spec-Bench's question.jsonl)")

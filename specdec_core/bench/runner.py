@@ -1,7 +1,8 @@
 """Executing benchmark runs: one method over one block of prompts, timed.
 
 All engine methods share one loaded target (and one draft model): the bench
-builds one engine per drafter kind and swaps in each method's own controller
+builds one engine per drafter and settings (`layer-skip:layer_skip.k=8` is
+another engine than `layer-skip`) and swaps in each method's own controller
 before its run, so `ngram` (adaptive) and `ngram:g4` (fixed) reuse the same
 engine but keep separate cost and acceptance measurements, as two servers
 would.
@@ -19,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..build import build_engine
-from ..config import DRAFTERS, Config
+from ..config import DRAFTERS, Config, with_overrides
 from ..control import Controller
 from ..engine import Engine, StepReport
 from ..models.runner import ModelRunner
@@ -32,16 +33,18 @@ from .stats import PLAIN, adjacent_ratios, interleave
 ENGINE_DRAFTERS = tuple(d for d in DRAFTERS if d != "none")  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-speculative")  # what --llama-cpp DIR adds
-_METHOD = re.compile(rf"^(plain|none|{'|'.join(map(re.escape, ENGINE_DRAFTERS))})(?::g(\d+))?$")
+_GAMMA = re.compile(r"g(\d+)")
 
 
 @dataclass(frozen=True)
 class Method:
-    """A decoding method as named on the command line: a drafter kind and an optional fixed gamma."""
+    """A decoding method as named on the command line: a drafter kind, an optional fixed gamma, and optional
+    settings of the speculation section for it (`distilled:distilled.student=NAME`)."""
 
     label: str
     drafter: str  # "none", an engine drafter, or one of HF_METHODS or LLAMA_CPP_METHODS
     fixed_gamma: int | None = None
+    settings: str = ""  # key=value pairs joined by ":" (config.with_overrides)
 
     @property
     def external(self) -> bool:
@@ -51,25 +54,34 @@ class Method:
     def adaptive(self) -> bool:
         return self.drafter in ENGINE_DRAFTERS and self.fixed_gamma is None
 
+    @property
+    def engine(self) -> str:
+        """The engine it runs on: methods differing only in gamma share one."""
+        return f"{self.drafter}:{self.settings}" if self.settings else self.drafter
+
 
 def parse_method(text: str) -> Method:
-    """`plain`, or a drafter (`ngram`, `layer-skip`, ...: adaptive gamma), or one with a fixed gamma (`ngram:g4`)."""
+    """`plain`, or a drafter (`ngram`, `layer-skip`, ...: adaptive gamma), optionally with settings
+    (`layer-skip:layer_skip.k=8`) and then a fixed gamma (`ngram:g4`)."""
     if text in HF_METHODS:
         return Method(text, text)
-    match = _METHOD.match(text.strip())
-    if not match:
+    text = text.strip()
+    name, *parts = text.split(":")
+    gamma = None
+    if parts and _GAMMA.fullmatch(parts[-1]):
+        gamma = int(parts.pop()[1:])
+    if name not in (PLAIN, "none", *ENGINE_DRAFTERS) or any("=" not in part for part in parts):
         raise ValueError(
-            f"unknown method {text!r}: use plain or one of {', '.join(ENGINE_DRAFTERS)}, "
-            "optionally with a fixed gamma as in ngram:g4"
+            f"unknown method {text!r}: use plain or one of {', '.join(ENGINE_DRAFTERS)}, optionally with "
+            "speculation settings and then a fixed gamma, as in ngram:g4 or layer-skip:layer_skip.k=8:g3"
         )
-    name, gamma = match.groups()
     if name in (PLAIN, "none"):
-        if gamma:
-            raise ValueError(f"{text!r}: plain decoding has no gamma")
+        if gamma is not None or parts:
+            raise ValueError(f"{text!r}: plain decoding has no gamma or drafter settings")
         return Method(PLAIN, "none")
-    if gamma is not None and int(gamma) < 1:
+    if gamma is not None and gamma < 1:
         raise ValueError(f"{text!r}: a fixed gamma must be at least 1 (plain is gamma 0)")
-    return Method(text.strip(), name, int(gamma) if gamma else None)
+    return Method(text, name, gamma, ":".join(parts))
 
 
 @dataclass
@@ -149,13 +161,13 @@ class Bench:
         self.llama_cpp = llama_cpp
         self.temperature = temperature
         self.seed = seed
-        kinds = {m.drafter for m in methods if not m.external} | {"none"}
+        engines = {m.engine for m in methods if not m.external} | {"none"}
         if "hf-assisted" in {m.drafter for m in methods}:
-            kinds.add("draft-model")  # its draft model is the assistant
+            engines.add("draft-model")  # its draft model is the assistant
         plain = build_engine(config, drafter="none")
         self.engines: dict[str, Engine] = {"none": plain}
-        for kind in sorted(kinds - {"none"}):
-            self.engines[kind] = build_engine(config, drafter=kind, target=plain.target)
+        for engine in sorted(engines - {"none"}):
+            self.engines[engine] = build_engine(with_overrides(config, engine), target=plain.target)
         spec = config.speculation
         # Fixed-gamma methods may speculate at any batch size, so the sweep measures what
         # speculation costs there; adaptive ones keep the config's cap, as the server would.
@@ -191,7 +203,7 @@ class Bench:
         return self._run_engine(method, prompts, max_tokens, block)
 
     def _run_engine(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
-        engine = self.engines[method.drafter]
+        engine = self.engines[method.engine]
         controller = self.controllers.get(method.label)
         if controller is not None:
             engine.controller = controller
