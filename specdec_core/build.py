@@ -11,7 +11,8 @@ from torch import nn
 from .config import DRAFTERS, MODEL_DRAFTERS, Config, ModelConfig
 from .control import Controller
 from .drafters.base import Drafter
-from .drafters.distilled import DistilledDrafter, default_student_name, load_student
+from .drafters.distilled import (AdaptedOutput, DistilledDraftModelDrafter, DistilledDrafter, default_student_name,
+                                 load_student)
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
@@ -123,12 +124,19 @@ def build_drafter(config: Config, target: ModelRunner, drafter: str | None = Non
         return QuantizedDrafter(draft, target.vocab_size, vocab, spec.early_exit)
     if not spec.draft_model:
         raise ValueError("drafter draft-model needs speculation.draft_model in the config")
-    draft = load_runner(spec.draft_model, config.model)
+    draft, vocab = draft_runner(config, target, spec.draft_model, vocab)
+    return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)
+
+
+def draft_runner(config: Config, target: ModelRunner, name: str, vocab: ReducedVocab | None
+                 ) -> tuple[ModelRunner, ReducedVocab | None]:
+    """The draft model `name` for `target`, its output layer cut to `vocab` when it can be, and the vocabulary it got."""
+    draft = load_runner(name, config.model)
     check_same_tokenizer(target, draft)
     vocab = _reducible(vocab, draft.model)
     if vocab is not None:
         vocab.reduce_output(draft.model)
-    return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)
+    return draft, vocab
 
 
 def medusa_drafter(config: Config, target: ModelRunner) -> MedusaDrafter:
@@ -147,12 +155,17 @@ def eagle_drafter(config: Config, target: ModelRunner) -> EagleDrafter:
     return EagleDrafter(net, settings.top_k, settings.depth, settings.total_tokens)
 
 
-def distilled_drafter(config: Config, target: ModelRunner) -> DistilledDrafter:
+def distilled_drafter(config: Config, target: ModelRunner) -> DistilledDrafter | DistilledDraftModelDrafter:
     """The config's distilled student over `target`; one not trained yet raises MissingStudentError,
     which names the command that trains it."""
     spec = config.speculation
     adapter, meta, vocab = load_student(spec.distilled.student or default_student_name(config.model.target), config.model.target)
-    return DistilledDrafter(target, adapter, meta["student"]["k"], _reducible(vocab, target.model), spec.early_exit)
+    student = meta["student"]
+    if student["kind"] == "layer-skip":
+        return DistilledDrafter(target, adapter, student["k"], _reducible(vocab, target.model), spec.early_exit)
+    draft, vocab = draft_runner(config, target, student["model"], vocab)
+    draft.model.set_output_embeddings(AdaptedOutput(adapter.to(draft.device), draft.model.get_output_embeddings()))
+    return DistilledDraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)
 
 
 def eos_ids(runner: ModelRunner) -> set[int]:

@@ -73,7 +73,7 @@ class EagleConfig(Section):
 
 
 class DistilledConfig(Section):
-    student: str | None = Field(None, description="Trained layer-skip student: a name under <cache>/students (`specdec train distill --out NAME`) or a directory; null: <model.target>-distilled. Its k is the one it was trained with")
+    student: str | None = Field(None, description="Trained student: a name under <cache>/students (`specdec train distill --out NAME`) or a directory; null: <model.target>-distilled. Its trunk (the target's first k layers, or a draft model) is the one it was trained with")
 
 
 class SpeculationConfig(Section):

@@ -1,7 +1,8 @@
-"""The distilled layer-skip student: distillation on the tiny random model lowers the KL to the target and
-raises held-out agreement and acceptance over the untrained student (plain layer skip); decoding through
-the student is exact (greedy equality, and the chi-square harness of test_exactness for sampling); the
-CLI trains a student that a config then selects; a missing student says how to train it."""
+"""The distilled students (layer skip, and the draft model): distillation on the tiny random model lowers
+the KL to the target and raises held-out agreement and acceptance over the untrained student (plain
+layer skip, or the plain draft model); decoding through either student is exact (greedy equality, and
+the chi-square harness of test_exactness for sampling); the CLI trains students that a config then
+selects; a missing student says how to train it."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import pytest
 import torch
 
 from server.cli import main
-from specdec_core.build import build_engine
+from specdec_core.build import build_engine, load_runner
 from specdec_core.config import Config
 from specdec_core.control import Controller
-from specdec_core.drafters.distilled import Adapter, DistilledDrafter, MissingStudentError, load_student
+from specdec_core.drafters.distilled import (Adapter, AdaptedOutput, DistilledDraftModelDrafter, DistilledDrafter,
+                                             MissingStudentError, load_student)
 from specdec_core.engine import Engine
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_core.train import loop as loop_module
-from specdec_core.train.distill import first_layers, student_inputs, train_distill
+from specdec_core.train.distill import final_hidden, first_layers, student_inputs, train_distill
 from specdec_core.train.distill_cli import DistillSettings
 
 from .helpers import decode, greedy_reference, tiny_runner
@@ -32,9 +34,18 @@ GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5], [7], [3, 9, 3, 9, 3, 9, 3], [11, 4, 2, 8, 6, 1, 0, 5, 12, 13]]
 
 
+DRAFT = "tiny-random-llama@1"  # configs/tiny-random.yaml's draft model
+
+
 @pytest.fixture(scope="module")
 def trained(runner, data):
     return train_distill(runner, data, SETTINGS, "tiny-student", progress=False)
+
+
+@pytest.fixture(scope="module")
+def draft_trained(runner, data):
+    draft = load_runner(DRAFT, Config.load(CONFIG).model)
+    return train_distill(runner, data, SETTINGS, "tiny-draft-student", progress=False, draft=draft)
 
 
 def distilled_config(student: str) -> Config:
@@ -55,13 +66,22 @@ def random_adapter(hidden: int, scale: float, seed: int) -> Adapter:
 
 
 def test_student_inputs_are_what_the_drafter_reads(runner, data):
-    inputs = student_inputs(runner, data, 1, progress=False)
+    inputs = student_inputs(data, lambda ids: first_layers(runner, ids, 1), "layers1", progress=False)
     first = data.heldout.tokens[: data.heldout.lengths[0]].tolist()
     assert inputs.heldout.shape == (len(data.heldout), runner.config.hidden_size)
     assert torch.allclose(inputs.heldout[: len(first)], first_layers(runner, first, 1))
 
 
-def test_distillation_lowers_the_kl_and_raises_acceptance(trained):
+def test_a_draft_model_students_inputs_are_what_its_output_layer_reads(data):
+    draft = load_runner(DRAFT, Config.load(CONFIG).model)
+    first = data.heldout.tokens[: data.heldout.lengths[0]].tolist()
+    logits, _ = draft.forward(draft.prefill([])[0], torch.tensor([first]))
+    assert torch.allclose(draft.model.get_output_embeddings()(final_hidden(draft, first)), logits[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("student", ["trained", "draft_trained"])
+def test_distillation_lowers_the_kl_and_raises_acceptance(student, request):
+    trained = request.getfixturevalue(student)
     before, after = trained["heldout"]["untrained"], trained["heldout"]["trained"]
     assert after["kl"] < 0.8 * before["kl"], trained["heldout"]
     assert after["top1"] > before["top1"], trained["heldout"]
@@ -69,15 +89,28 @@ def test_distillation_lowers_the_kl_and_raises_acceptance(trained):
     assert trained["epoch_loss"][-1] < trained["epoch_loss"][0]
 
 
-def test_greedy_through_the_student_equals_plain_greedy(runner, trained):
-    adapter, meta, vocab = load_student("tiny-student", runner.name)
-    drafter = DistilledDrafter(runner, adapter, meta["student"]["k"], vocab)
+def assert_greedy_equals_plain(runner, drafter, prompts: list[list[int]]) -> None:
+    """Rows of several lengths, two joining mid-run: each equals plain greedy, and some drafts were kept."""
     engine = Engine(runner, drafter, Controller(gamma_max=4, fixed_gamma=4), eos_token_ids=set())
-    seqs = [Sequence(f"r{i}", prompt, GREEDY, 20 - 3 * i) for i, prompt in enumerate(PROMPTS)]
+    seqs = [Sequence(f"r{i}", prompt, GREEDY, 20 - 3 * i) for i, prompt in enumerate(prompts)]
     decode(engine, seqs[:2], joins={3: seqs[2:]})
     for seq in seqs:
         assert seq.output_ids == greedy_reference(runner, seq.prompt_ids, seq.max_tokens)
     assert sum(seq.stats.accepted_tokens for seq in seqs) > 0
+
+
+def test_greedy_through_the_student_equals_plain_greedy(runner, trained):
+    adapter, meta, vocab = load_student("tiny-student", runner.name)
+    assert_greedy_equals_plain(runner, DistilledDrafter(runner, adapter, meta["student"]["k"], vocab), PROMPTS)
+
+
+def test_greedy_through_the_draft_model_student_equals_plain_greedy(runner, data, draft_trained):
+    drafter = build_engine(distilled_config("tiny-draft-student"), target=runner).drafter
+    assert isinstance(drafter, DistilledDraftModelDrafter)
+    assert isinstance(drafter.runner.model.get_output_embeddings(), AdaptedOutput)
+    # Prompts from held-out text: where the student learned to agree with the target.
+    starts = (data.heldout.lengths.cumsum(0) - data.heldout.lengths)[: len(PROMPTS)].tolist()
+    assert_greedy_equals_plain(runner, drafter, [data.heldout.tokens[start : start + 8].tolist() for start in starts])
 
 
 @pytest.mark.parametrize("setting", list(PARAMS))
@@ -88,6 +121,20 @@ def test_sampling_through_the_student_is_distributed_as_the_target(setting):
     tokens, seqs = generate(target, drafter, prompt, params, ROWS)
     kept = sum(seq.stats.accepted_tokens for seq in seqs) / sum(seq.stats.draft_tokens for seq in seqs)
     assert 0.1 < kept < 0.9, kept  # drafts both kept and rejected: both branches of the rule ran
+    assert min(pvalues(tokens, exact(target, prompt, params)).values()) > ALPHA
+
+
+@pytest.mark.parametrize("setting", list(PARAMS))
+def test_sampling_through_the_draft_model_student_is_distributed_as_the_target(setting):
+    # The draft: a second copy of the target behind a random adapter, so drafts are often, not always, kept.
+    target, draft = tiny_runner(seed=0, vocab=VOCAB), tiny_runner(seed=0, vocab=VOCAB)
+    adapter = random_adapter(draft.config.hidden_size, 0.3, seed=4)
+    draft.model.set_output_embeddings(AdaptedOutput(adapter, draft.model.get_output_embeddings()))
+    drafter = DistilledDraftModelDrafter(draft, target.vocab_size)
+    prompt, params = [1, 2, 3, 4, 5], PARAMS[setting]
+    tokens, seqs = generate(target, drafter, prompt, params, ROWS)
+    kept = sum(seq.stats.accepted_tokens for seq in seqs) / sum(seq.stats.draft_tokens for seq in seqs)
+    assert 0.1 < kept < 0.9, kept
     assert min(pvalues(tokens, exact(target, prompt, params)).values()) > ALPHA
 
 
@@ -115,6 +162,17 @@ def test_cli_trains_a_student_a_config_selects(data, capsys):
     seq = Sequence("r", PROMPTS[0], GREEDY, 12)
     decode(engine, [seq])
     assert seq.output_ids == greedy_reference(engine.target, PROMPTS[0], 12)
+
+
+def test_cli_trains_a_draft_model_student(data, capsys):
+    assert main(["train", "distill", "--config", CONFIG, "--student", "draft-model", "--epochs", "1", "--width", "32",
+                 "--batch-size", "128", "--tokens", str(DATA.tokens), "--seq-len", str(DATA.seq_len),
+                 "--prompts", str(DATA.prompts), "--answer-tokens", str(DATA.answer_tokens)]) == 0
+    assert f"draft model {DRAFT} + adapter" in capsys.readouterr().out
+    _, meta, _ = load_student("tiny-random-llama-distilled-draft", "tiny-random-llama")
+    assert meta["student"] == {"kind": "draft-model", "model": DRAFT}
+    assert isinstance(build_engine(distilled_config("tiny-random-llama-distilled-draft")).drafter,
+                      DistilledDraftModelDrafter)
 
 
 def test_missing_student_says_how_to_train_it(cache):

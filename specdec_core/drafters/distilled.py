@@ -1,7 +1,13 @@
-"""A distilled layer-skip student: the target's first k layers, then a small trained adapter, then its output layer.
+"""Distilled students: a frozen trunk, then a small trained adapter, then a frozen output layer.
 
-The student is layer skip (layer_skip.py) with one trained piece between the k-th layer's
-final-normed hidden state z and the output layer:
+Two trunks (`specdec train distill --student ...`, train/distill.py):
+
+- layer-skip:K: the target's first k layers and the target's output layer (`DistilledDrafter`);
+- draft-model: the same-family draft model and its own output layer (`DistilledDraftModelDrafter`):
+  the draft-model drafter with the adapter in front of its output layer.
+
+For the layer-skip student, the trained piece sits between the k-th layer's final-normed hidden
+state z and the output layer:
 
     adapter(z) = gain * (z + down(SiLU(up(z))))
 
@@ -9,12 +15,13 @@ final-normed hidden state z and the output layer:
 with the same k: distillation (`specdec train distill`, train/distill.py) starts from it and can
 only be judged against it. `gain` scales the final norm's weight per channel, so the norm is
 trained too. The adapter reads one position at a time and keeps no state, so the frozen layers
-still draft from the target's own cache exactly as layer skip does (no second cache, no rollback).
+still draft from the target's own cache exactly as layer skip does (no second cache, no rollback),
+and the draft model keeps its own cache exactly as the draft-model drafter does.
 
 Trained students live in ``<cache root>/students/<name>/``: ``student.safetensors`` (the adapter,
-plus ``vocab_ids`` when it predicts over a reduced vocabulary) and ``student.json`` (k, the adapter's
-width, and how it was trained). The output layer is never stored: it is the target's own, cut to
-the reduced vocabulary when there is one.
+plus ``vocab_ids`` when it predicts over a reduced vocabulary) and ``student.json`` (the trunk, the adapter's
+width, and how it was trained). The output layer is never stored: it is the target's (or the draft
+model's) own, cut to the reduced vocabulary when there is one.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch import nn
 from ..models.registry import cache_dir
 from ..models.runner import ModelRunner
 from ..vocab import ReducedVocab
+from .draft_model import DraftModelDrafter
 from .layer_skip import LayerSkipDrafter
 
 WEIGHTS_FILE = "student.safetensors"
@@ -74,9 +82,27 @@ class DistilledDrafter(LayerSkipDrafter):
         return self.head(self.adapter(hidden.float()).to(self.target.dtype)).float()
 
 
-def default_student_name(target: str) -> str:
+class AdaptedOutput(nn.Module):
+    """A draft model's output layer behind a trained adapter; the adapter runs in float32, as it was trained."""
+
+    def __init__(self, adapter: Adapter, head: nn.Module):
+        super().__init__()
+        self.adapter = adapter.float().eval().requires_grad_(False)
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.adapter(hidden.float()).to(hidden.dtype))
+
+
+class DistilledDraftModelDrafter(DraftModelDrafter):
+    """The draft-model drafter over a draft whose output layer is an `AdaptedOutput`."""
+
+    name = "distilled"
+
+
+def default_student_name(target: str, draft_model: str | None = None) -> str:
     """The name `specdec train distill` saves a student under when --out is not given."""
-    return f"{target}-distilled"
+    return f"{target}-distilled-draft" if draft_model else f"{target}-distilled"
 
 
 def student_dir(name_or_path: str | Path) -> Path:

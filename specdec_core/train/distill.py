@@ -1,28 +1,32 @@
-"""Knowledge distillation of a layer-skip student (drafters/distilled.py) toward the frozen target.
+"""Knowledge distillation of a student (drafters/distilled.py) toward the frozen target.
 
 Data: the feature cache of train/data.py (never Spec-Bench). The target's distribution at a
-position is lm_head(hidden) of the cached final-normed hidden state; the student's input there is
-the final-normed hidden state after the target's first k layers, computed once from the cached
-tokens by running only those layers (the same `forward_layers` pass the drafter runs, so training
-sees exactly what drafting sees) and cached next to the features as ``layers<k>-<shard>``, one
-file per feature shard, so an interrupted computation resumes at the shard it was in.
+position is lm_head(hidden) of the cached final-normed hidden state. The student is a frozen trunk,
+a trained adapter, and a frozen output layer; its input at a position is the trunk's final-normed
+hidden state there, computed once from the cached tokens and cached next to the features, one file
+per feature shard (so an interrupted computation resumes at the shard it was in):
+
+- layer-skip:K: the target's first k layers (the same `forward_layers` pass the drafter runs, so
+  training sees exactly what drafting sees) and the target's output layer; ``layers<k>-<shard>``.
+- draft-model: the same-family draft model whole, and its own output layer (cut to the reduced
+  vocabulary when there is one); ``final-<draft>-<shard>``. Only the adapter is trained: fully
+  fine-tuning the 0.5B does not fit this CPU (docs/benchmarks/NOTES.md has the measured cost).
 
 Loss: T^2 * KL(p_T || q_T), p_T the target's softmax at temperature T, q_T the student's (Hinton et
 al. 2015; T^2 keeps the gradient's scale independent of T). Over the reduced vocabulary when there
 is one (both distributions restricted to it). AdamW with a cosine schedule, resumable from
 ``checkpoint.pt`` (train/loop.py, shared with Medusa), epochs over the cached positions.
 
-Held-out report, untrained (plain layer skip with the same k) and trained: the KL at T, top-1
+Held-out report, untrained (plain layer skip with the same k, or the plain draft model) and trained: the KL at T, top-1
 agreement with the target's argmax (the greedy acceptance rate of one draft token), and
 sum_x min(p(x), q(x)) at temperature 1 (the acceptance rate of one sampled draft token).
-
-Only this student is implemented; fine-tuning the same-family draft model as a student is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +48,7 @@ EVAL_BATCH = 256
 
 @dataclass
 class StudentInputs:
-    """The final-normed hidden states after the first k layers at every cached position, per split."""
+    """The student trunk's final-normed hidden states at every cached position, per split."""
 
     train: torch.Tensor  # [N_train, H]
     heldout: torch.Tensor  # [N_heldout, H]
@@ -57,20 +61,27 @@ def first_layers(runner: ModelRunner, ids: list[int], k: int) -> torch.Tensor:
     return runner.forward_layers(cache, torch.tensor([ids], device=runner.device), k)[0].cpu()
 
 
-def student_inputs(runner: ModelRunner, data: Features, k: int, progress: bool = True) -> StudentInputs:
-    """The student's inputs for `data`, computed (first k layers only) for the shards not cached yet."""
+@torch.no_grad()
+def final_hidden(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """[len(ids), H]: what `runner`'s output layer reads at each position of `ids` (a draft model's student input)."""
+    return runner.prefill(ids, features=True)[2].cpu()
+
+
+def student_inputs(data: Features, trunk: Callable[[list[int]], torch.Tensor], prefix: str,
+                   progress: bool = True) -> StudentInputs:
+    """The student's inputs for `data`: `trunk` of each sequence, computed for the shards not cached as `prefix`-<shard>."""
     files = data.meta["files"]
     splits = {}
-    with tqdm(total=sum(data.meta["positions"].values()), desc=f"first {k} layers ({runner.name})", unit="tok",
+    with tqdm(total=sum(data.meta["positions"].values()), desc=f"student inputs ({prefix})", unit="tok",
               disable=not progress) as bar:
         for split in ("train", "heldout"):
             parts = []
             for name in files[split]:
-                path = data.directory / f"layers{k}-{name}"
+                path = data.directory / f"{prefix}-{name}"
                 if not path.is_file():
                     shard = load_file(str(data.directory / name))
                     sequences = shard["tokens"].split(shard["lengths"].tolist())
-                    _save_atomic({"hidden": torch.cat([first_layers(runner, ids.tolist(), k) for ids in sequences])}, path)
+                    _save_atomic({"hidden": torch.cat([trunk(ids.tolist()) for ids in sequences])}, path)
                 parts.append(load_file(str(path))["hidden"])
                 bar.update(len(parts[-1]))
             splits[split] = torch.cat(parts)
@@ -85,13 +96,13 @@ def distill_loss(student_logits: torch.Tensor, target_logits: torch.Tensor, temp
 
 
 @torch.no_grad()
-def heldout_report(adapter: Adapter, out: nn.Module, vocab: ReducedVocab | None, inputs: torch.Tensor,
-                   data: Features, temperature: float) -> dict[str, float]:
+def heldout_report(adapter: Adapter, student_out: nn.Module, target_out: nn.Module, vocab: ReducedVocab | None,
+                   inputs: torch.Tensor, data: Features, temperature: float) -> dict[str, float]:
     """The student against the target on the held-out positions: KL at T, top-1 agreement, sampled acceptance."""
     kl, top1, accept = 0.0, 0.0, 0.0
     for start in range(0, len(inputs), EVAL_BATCH):
-        student = out(adapter(inputs[start : start + EVAL_BATCH].float()))
-        target = out(data.heldout.hidden[start : start + EVAL_BATCH].float())
+        student = student_out(adapter(inputs[start : start + EVAL_BATCH].float()))
+        target = target_out(data.heldout.hidden[start : start + EVAL_BATCH].float())
         kl += float(distill_loss(student, target, temperature)) / temperature**2 * len(student)
         top1 += float((full_ids(student.argmax(-1), vocab) == data.heldout.predicted[start : start + EVAL_BATCH]).sum())
         accept += float(torch.minimum(student.softmax(-1), target.softmax(-1)).sum())
@@ -99,26 +110,38 @@ def heldout_report(adapter: Adapter, out: nn.Module, vocab: ReducedVocab | None,
     return {"kl": round(kl / n, 4), "top1": round(top1 / n, 4), "accept_t1": round(accept / n, 4)}
 
 
+def frozen_output(runner: ModelRunner, vocab: ReducedVocab | None) -> nn.Module:
+    # In float32: on this CPU float32 products beat bfloat16 ones.
+    return output_layer(runner.model.get_output_embeddings(), vocab).float().requires_grad_(False)
+
+
 def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings, out: str,
-                  vocab: ReducedVocab | None = None, resume: bool = False, progress: bool = True) -> dict:
-    """Distill a layer-skip student of `runner`'s first `settings.k` layers on `data`; save it as `out`; its JSON's dict."""
+                  vocab: ReducedVocab | None = None, resume: bool = False, progress: bool = True,
+                  draft: ModelRunner | None = None) -> dict:
+    """Distill a student toward `runner` on `data` and save it as `out`; its JSON's dict. The student is `draft`
+    (the same-family draft model) when given, else `runner`'s first `settings.k` layers."""
     torch.manual_seed(settings.seed)
     directory = student_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
+    target_out = frozen_output(runner, vocab)
+    if draft is None:
+        student = {"kind": "layer-skip", "k": settings.k}
+        trunk, prefix, student_out = (lambda ids: first_layers(runner, ids, settings.k)), f"layers{settings.k}", target_out
+    else:
+        student = {"kind": "draft-model", "model": draft.name}
+        trunk, prefix, student_out = (lambda ids: final_hidden(draft, ids)), f"final-{draft.name}", frozen_output(draft, vocab)
     start = time.perf_counter()
-    inputs = student_inputs(runner, data, settings.k, progress)
+    inputs = student_inputs(data, trunk, prefix, progress)
     layers_s = time.perf_counter() - start
-    adapter = Adapter(runner.config.hidden_size, settings.width)
-    # The output layer in float32 (on this CPU float32 products beat bfloat16 ones), frozen.
-    out_layer = output_layer(runner.model.get_output_embeddings(), vocab).float().requires_grad_(False)
-    untrained = heldout_report(adapter, out_layer, vocab, inputs.heldout, data, settings.temperature)
+    adapter = Adapter(inputs.train.shape[1], settings.width)
+    untrained = heldout_report(adapter, student_out, target_out, vocab, inputs.heldout, data, settings.temperature)
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            target_logits = out_layer(data.train.hidden[batch].float())
-        return distill_loss(out_layer(adapter(inputs.train[batch].float())), target_logits, settings.temperature)
+            target_logits = target_out(data.train.hidden[batch].float())
+        return distill_loss(student_out(adapter(inputs.train[batch].float())), target_logits, settings.temperature)
 
-    identity = {"settings": dataclasses.asdict(settings), "data": str(data.directory),
+    identity = {"settings": dataclasses.asdict(settings), "student": student, "data": str(data.directory),
                 "vocab_size": None if vocab is None else vocab.size}
     checkpoint = directory / CHECKPOINT_FILE
     start = time.perf_counter()
@@ -128,13 +151,13 @@ def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings
 
     meta = {
         "target": data.meta["target"],
-        "student": {"kind": "layer-skip", "k": settings.k},
+        "student": student,
         "data": {"features": str(data.directory), **data.meta["settings"], "sources": data.meta.get("sources")},
         "tokens": {"train": len(data.train), "heldout": len(data.heldout)},
         "train": dataclasses.asdict(settings),
         "epoch_loss": epoch_losses,  # mean training loss of each epoch (a resumed epoch: its resumed part)
-        "heldout": {"untrained": untrained, "trained": heldout_report(adapter, out_layer, vocab, inputs.heldout, data,
-                                                                      settings.temperature)},
+        "heldout": {"untrained": untrained, "trained": heldout_report(adapter, student_out, target_out, vocab,
+                                                                      inputs.heldout, data, settings.temperature)},
         "extract_s": data.meta["extract_s"],
         "layers_s": round(layers_s, 1),  # computing (or loading) the student's inputs
         "train_s": round(train_s, 1),

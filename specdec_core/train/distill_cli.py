@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DistillSettings:
-    k: int  # frozen target layers under the adapter
+    k: int  # frozen target layers under the adapter (a layer-skip student; 0 for a draft-model student)
     width: int = 1024  # the adapter's inner width
     epochs: int = 2
     batch_size: int = 256  # positions per step
@@ -27,30 +27,37 @@ def add_arguments(trainers) -> None:
     from .cli import add_common_arguments
 
     defaults = DistillSettings(k=0)
-    p = trainers.add_parser("distill", help="a layer-skip student distilled toward the target (target frozen)")
+    p = trainers.add_parser("distill", help="a student drafter distilled toward the target (target frozen)")
     add_common_arguments(p, "students", defaults.epochs, defaults.lr)
     p.add_argument("--student", default="layer-skip",
                    help="layer-skip[:K]: the target's first K layers (default: the config's layer_skip.k, else 3/4 "
-                        "of the layers) and a trained adapter")
+                        "of the layers) and a trained adapter; draft-model[:NAME]: the same-family draft model "
+                        "(default: the config's speculation.draft_model) and a trained adapter before its output layer")
     p.add_argument("--width", type=int, default=defaults.width, help="the adapter's inner width (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=defaults.temperature, help="softening T (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="positions per step (default: %(default)s)")
     p.set_defaults(func=distill_command)
 
 
-def student_k(student: str, configured: int | None, num_layers: int) -> int:
-    """K of a `--student` value: layer-skip:K, or layer-skip with the config's k (else layer skip's default)."""
+def parse_student(student: str, config, num_layers: int) -> tuple[int, str | None]:
+    """(k, draft model) of a `--student` value: layer-skip[:K] (K defaulting to the config's layer_skip.k, else
+    layer skip's default) gives (K, None); draft-model[:NAME] (NAME defaulting to the config's draft model), (0, NAME)."""
     from ..drafters.layer_skip import default_k
 
-    kind, _, k = student.partition(":")
-    if kind != "layer-skip":
-        raise SystemExit(f"--student {student}: only layer-skip[:K] students are implemented "
-                         "(fine-tuning the draft model is not)")
-    return int(k) if k else configured or default_k(num_layers)
+    kind, _, value = student.partition(":")
+    if kind == "layer-skip":
+        return (int(value) if value else config.speculation.layer_skip.k or default_k(num_layers)), None
+    if kind == "draft-model":
+        name = value or config.speculation.draft_model
+        if not name:
+            raise SystemExit("--student draft-model: name the model (draft-model:NAME) or set speculation.draft_model "
+                             "in the config")
+        return 0, name
+    raise SystemExit(f"--student {student}: use layer-skip[:K] or draft-model[:NAME]")
 
 
 def distill_command(args: argparse.Namespace) -> int:
-    from ..build import load_runner, registry_dir
+    from ..build import check_same_tokenizer, load_runner, registry_dir
     from ..config import Config
     from ..drafters.distilled import default_student_name, student_dir
     from ..vocab import reduced_vocab
@@ -62,18 +69,23 @@ def distill_command(args: argparse.Namespace) -> int:
     config = Config.load(args.config)
     target = config.model.target
     runner = load_runner(target, config.model)
-    k = student_k(args.student, config.speculation.layer_skip.k, runner.num_layers)
+    k, draft_name = parse_student(args.student, config, runner.num_layers)
+    draft = None
+    if draft_name:
+        draft = load_runner(draft_name, config.model)
+        check_same_tokenizer(runner, draft)
     data = features(runner, data_settings(args))
     vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
     settings = DistillSettings(k=k, width=args.width, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                                temperature=args.temperature)
-    name = args.out or default_student_name(target)
-    meta = train_distill(runner, data, settings, name, vocab, args.resume)
+    name = args.out or default_student_name(target, draft_name)
+    meta = train_distill(runner, data, settings, name, vocab, args.resume, draft=draft)
     before, after = meta["heldout"]["untrained"], meta["heldout"]["trained"]
-    print(f"student {name!r} for {target}: first {k} of {runner.num_layers} layers + adapter (width {settings.width}); "
+    trunk = f"draft model {draft_name}" if draft_name else f"first {k} of {runner.num_layers} layers"
+    print(f"student {name!r} for {target}: {trunk} + adapter (width {settings.width}); "
           f"{meta['tokens']['train']} training positions ({meta['tokens']['heldout']} held out), {settings.epochs} "
           f"epochs, vocabulary {meta['vocab_size'] or 'full'}")
-    print(f"target features: {meta['extract_s']} s (once); first {k} layers: {meta['layers_s']} s (once); "
+    print(f"target features: {meta['extract_s']} s (once); student inputs ({trunk}): {meta['layers_s']} s (once); "
           f"training: {meta['train_s']} s; mean loss per epoch: {meta['epoch_loss']}")
     print("held out         untrained -> distilled")
     for key, label in (("kl", f"KL at T={settings.temperature}"), ("top1", "top-1 agreement"),
