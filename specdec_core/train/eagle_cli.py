@@ -32,9 +32,13 @@ def eagle_command(args) -> int:
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     config = Config.load(args.config)
     target = config.model.target
-    # Trained in float32 (a bf16 backward on a CPU is slow and coarse); the saved weights load into any dtype.
-    runner = load_runner(target, config.model.model_copy(update={"dtype": "fp32", "weights": None}))
+    runner = load_runner(target, config.model.model_copy(update={"weights": None}))
+    # Features in the served dtype: what the drafter reads when serving, and the cache the other trainers share.
     data = features(runner, data_settings(args))
+    # The network trains in float32 (a bf16 backward on a CPU is slow and coarse), so the frozen embedding and
+    # output layer it reads become float32 too; the saved weights load into any dtype.
+    runner.model.get_input_embeddings().float()
+    runner.model.get_output_embeddings().float()
     vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
     settings = EagleSettings(epochs=args.epochs, batch_sequences=args.batch_sequences, lr=args.lr)
     name = args.out or f"{target}-eagle"
