@@ -123,16 +123,18 @@ def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings
     torch.manual_seed(settings.seed)
     directory = student_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
-    target_out = frozen_output(runner, vocab)
     if draft is None:
         student = {"kind": "layer-skip", "k": settings.k}
-        trunk, prefix, student_out = (lambda ids: first_layers(runner, ids, settings.k)), f"layers{settings.k}", target_out
+        trunk, prefix = (lambda ids: first_layers(runner, ids, settings.k)), f"layers{settings.k}"
     else:
         student = {"kind": "draft-model", "model": draft.name}
-        trunk, prefix, student_out = (lambda ids: final_hidden(draft, ids)), f"final-{draft.name}", frozen_output(draft, vocab)
+        trunk, prefix = (lambda ids: final_hidden(draft, ids)), f"final-{draft.name}"
     start = time.perf_counter()
     inputs = student_inputs(data, trunk, prefix, progress)
     layers_s = time.perf_counter() - start
+    # Only now: a full-vocabulary output layer goes float32 in place, and a tied one takes the embedding with it.
+    target_out = frozen_output(runner, vocab)
+    student_out = target_out if draft is None else frozen_output(draft, vocab)
     adapter = Adapter(inputs.train.shape[1], settings.width)
     untrained = heldout_report(adapter, student_out, target_out, vocab, inputs.heldout, data, settings.temperature)
 
