@@ -43,7 +43,9 @@ def eagle_command(args) -> int:
     settings = EagleSettings(epochs=args.epochs, batch_sequences=args.batch_sequences, lr=args.lr)
     name = args.out or f"{target}-eagle"
     meta = train(runner, data, eagle_dir(name), settings, vocab, args.resume)
-    print(f"eagle {name!r} for {target}: {meta['data']['positions']} positions, {settings.epochs} epochs, "
+    positions = meta["data"]["positions"]
+    print(f"eagle {name!r} for {target}: {positions['train']} training positions ({positions['heldout']} held out), "
+          f"{settings.epochs} epochs, "
           f"vocabulary {meta['vocab_size'] or 'full'}, {meta['train_s']} s; loss {meta['first_loss']['loss']:.3f} -> "
           f"{meta['last_loss']['loss']:.3f}; held out: top-1 agreement {meta['heldout']['top1_agreement']:.1%}, "
           f"chain acceptance length {meta['heldout']['acceptance_length']:.2f} (depth {settings.depth}, a lower bound)")
