@@ -65,25 +65,9 @@ class Adapter(nn.Module):
         return self.gain * (z + self.down(nn.functional.silu(self.up(z))))
 
 
-class DistilledDrafter(LayerSkipDrafter):
-    """Layer skip whose k-th layer's output passes through a trained adapter before the output layer."""
-
-    name = "distilled"
-
-    def __init__(self, target: ModelRunner, adapter: Adapter, k: int, vocab: ReducedVocab | None = None,
-                 early_exit: float = 0.0):
-        super().__init__(target, k, vocab, early_exit)
-        self.adapter = adapter.to(target.device).float().eval().requires_grad_(False)
-
-    @torch.no_grad()
-    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.target.forward_layers(self.cache, tokens, self.k)[:, -1]
-        # The adapter runs in float32, as it was trained; the output layer in the target's activation dtype.
-        return self.head(self.adapter(hidden.float()).to(self.target.dtype)).float()
-
-
 class AdaptedOutput(nn.Module):
-    """A draft model's output layer behind a trained adapter; the adapter runs in float32, as it was trained."""
+    """An output layer behind a trained adapter: the adapter runs in float32, as it was trained, the output
+    layer in the activations' dtype."""
 
     def __init__(self, adapter: Adapter, head: nn.Module):
         super().__init__()
@@ -92,6 +76,17 @@ class AdaptedOutput(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.adapter(hidden.float()).to(hidden.dtype))
+
+
+class DistilledDrafter(LayerSkipDrafter):
+    """Layer skip whose k-th layer's output passes through a trained adapter before the output layer."""
+
+    name = "distilled"
+
+    def __init__(self, target: ModelRunner, adapter: Adapter, k: int, vocab: ReducedVocab | None = None,
+                 early_exit: float = 0.0):
+        super().__init__(target, k, vocab, early_exit)
+        self.head = AdaptedOutput(adapter.to(target.device), self.head)
 
 
 class DistilledDraftModelDrafter(DraftModelDrafter):

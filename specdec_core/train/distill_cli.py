@@ -57,7 +57,7 @@ def parse_student(student: str, config, num_layers: int) -> tuple[int, str | Non
 
 
 def distill_command(args: argparse.Namespace) -> int:
-    from ..build import check_same_tokenizer, load_runner, registry_dir
+    from ..build import draft_runner, load_runner, registry_dir
     from ..config import Config
     from ..drafters.distilled import default_student_name, student_dir
     from ..vocab import reduced_vocab
@@ -70,10 +70,8 @@ def distill_command(args: argparse.Namespace) -> int:
     target = config.model.target
     runner = load_runner(target, config.model)
     k, draft_name = parse_student(args.student, config, runner.num_layers)
-    draft = None
-    if draft_name:
-        draft = load_runner(draft_name, config.model)
-        check_same_tokenizer(runner, draft)
+    # The draft's own output layer stays whole here: the trainer cuts a float32 copy to the vocabulary.
+    draft = draft_runner(config, runner, draft_name, None)[0] if draft_name else None
     data = features(runner, data_settings(args))
     vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
     settings = DistillSettings(k=k, width=args.width, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
