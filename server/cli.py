@@ -90,7 +90,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
 def pull_command(args: argparse.Namespace) -> int:
     from specdec_core.models.registry import pull_command as pull
 
-    return pull(args.names)
+    return pull(args.names, args.weights)
 
 
 def models_command(args: argparse.Namespace) -> int:
@@ -105,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="fetch, verify and convert registry models")
     p.add_argument("names", nargs="+", help="registry names (see `specdec models`)")
+    p.add_argument("--weights", choices=["int4", "int8"], help="also quantize and cache the packed weights (model.weights), "
+                   "so that the first start does not")
     p.set_defaults(func=pull_command)
 
     p = sub.add_parser("models", help="list registry models and whether they are cached")

@@ -11,10 +11,11 @@ from torch import nn
 from specdec_core.build import load_runner
 from specdec_core.config import ModelConfig
 from specdec_core.control import Controller
+from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine
-from specdec_core.models import quant
-from specdec_core.models.quant import Int4Linear, Int8Linear, UnsupportedLayer, quantize_int4, quantize_int8, quantize_model
+from specdec_core.models import vnni, quant
+from specdec_core.models.quant import Int4Linear, Int8Linear, VnniLinear, UnsupportedLayer, quantize_int4, quantize_int8, quantize_model
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -52,6 +53,77 @@ def test_layer_matches_its_dequantized_reference(precision: str, group_size: int
     # fp32: the kernel's own rounding only; bf16: activations and output rounded to 8 mantissa bits.
     tolerance = 1e-4 if dtype == "fp32" else 2e-2
     assert (out.float() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+needs_vnni = pytest.mark.skipif(vnni.extension() is None, reason="no AVX-512 VNNI CPU or no compiler here")
+
+
+def vnni_reference(linear: nn.Linear, precision: str, x: torch.Tensor, quantize_x: bool) -> torch.Tensor:
+    """x @ w.T in float64 from the quantization math alone (no packing, no kernel): weights q * scale + min
+    with float16 scales and mins, and with `quantize_x` each 32 inputs of x rounded to int8 as the kernel does."""
+    weight = linear.weight.detach()
+    if precision == "int4":
+        q, scales_and_zeros = quantize_int4(weight, 32, torch.float16)
+        scales, zeros = scales_and_zeros.double().transpose(0, 1).unbind(dim=2)
+        mins = (zeros - 8 * scales).half().double()
+    else:
+        q, scales, mins = quant.quantize_uint8_groups(weight, 32)
+        scales, mins = scales.double(), mins.double()
+    n, k = q.shape
+    w = (q.double().reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]).reshape(n, k)
+    x = x.double()
+    if quantize_x:
+        groups = x.reshape(x.shape[0], k // 32, 32)
+        step = groups.abs().amax(dim=2, keepdim=True) / 127
+        x = (torch.round(groups / step) * step).reshape_as(x)
+    return x @ w.T
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 64, vnni.DEQUANTIZE_ROWS])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("precision", quant.QUANTIZED)
+def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str):
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 48, bias=False, dtype=DTYPES[dtype])
+    x = torch.randn(rows, 256, dtype=DTYPES[dtype])
+    out = VnniLinear.from_linear(linear, precision)(x)
+    long_pass = rows >= vnni.DEQUANTIZE_ROWS  # weights dequantized to bf16, x not rounded
+    reference = vnni_reference(linear, precision, x, quantize_x=not long_pass)
+    assert out.shape == (rows, 48) and out.dtype == DTYPES[dtype]
+    # Integer sums are exact: what is left is float32 accumulation (and bf16 rounding where used).
+    tolerance = 1e-5 if dtype == "fp32" and not long_pass else 1e-2
+    assert (out.double() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("precision", quant.QUANTIZED)
+def test_vnni_rows_do_not_depend_on_the_pass(precision: str):
+    """A row's result is the same in a pass of one row or of many: a verify pass over several tokens
+    computes exactly what the single-token steps of plain decoding compute."""
+    torch.manual_seed(4)
+    layer = VnniLinear.from_linear(nn.Linear(512, 64, bias=False, dtype=torch.bfloat16), precision)
+    x = torch.randn(vnni.DEQUANTIZE_ROWS - 1, 512, dtype=torch.bfloat16)
+    together = layer(x)
+    for rows in (slice(0, 1), slice(5, 7), slice(9, 14), slice(0, None)):
+        assert torch.equal(layer(x[rows]), together[rows])
+
+
+@needs_vnni
+def test_int4_on_this_cpu_uses_the_vnni_kernel(tmp_path):
+    model = tiny_runner().model
+    quantize_model(model, "int4", 32, quant.cache_file(tmp_path, "int4", 32, torch.device("cpu")))
+    assert {m.precision for m in model.modules() if isinstance(m, VnniLinear)} == {"int4", "int8"}  # int8: the head
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+    assert (tmp_path / "packed-int4-g32-vnni.safetensors").is_file()
+
+
+def test_int4_without_the_vnni_kernel_uses_torchs(tmp_path, monkeypatch):
+    monkeypatch.setattr(vnni, "extension", lambda: None)
+    model = tiny_runner().model
+    quantize_model(model, "int4", 32, quant.cache_file(tmp_path, "int4", 32, torch.device("cpu")))
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    assert (tmp_path / "packed-int4-g32-cpu.safetensors").is_file()
 
 
 def test_int8_error_is_half_a_step():
@@ -158,3 +230,21 @@ def test_float_weights_other_than_the_dtype_are_refused():
     with pytest.raises(ValueError, match="float weights are kept in dtype"):
         ModelConfig(dtype="bf16", weights="fp32")
     assert ModelConfig(dtype="bf16", weights="bf16").weights == "bf16"
+
+
+@pytest.mark.parametrize("setting", ["t1", "t0.7-top_p0.9"])
+def test_speculative_sampling_over_an_int4_target_is_distributed_as_it(setting: str, monkeypatch):
+    """The chi-square test of test_exactness.py with an int4 target and the draft-model drafter."""
+    from .helpers import tiny_runner as random_runner
+    from .test_exactness import ALPHA, PARAMS, PROMPTS, ROWS, VOCAB, exact, generate, pvalues
+
+    # Every pass through the one function (the batch of 10,000 rows would otherwise dequantize).
+    monkeypatch.setattr(vnni, "DEQUANTIZE_ROWS", 10**9)
+    target = random_runner(seed=0, vocab=VOCAB)
+    assert "int4" in quantize_model(target.model, "int4", 32).values()
+    prompt, params = PROMPTS["draft-model"], PARAMS[setting]
+    tokens, seqs = generate(target, DraftModelDrafter(random_runner(seed=1, vocab=VOCAB), VOCAB), prompt, params, ROWS)
+    accepted = sum(seq.stats.accepted_tokens for seq in seqs)
+    assert 0.1 * sum(seq.stats.draft_tokens for seq in seqs) < accepted
+    result = pvalues(tokens, exact(target, prompt, params))
+    assert min(result.values()) > ALPHA, result

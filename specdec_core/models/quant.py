@@ -6,7 +6,8 @@ as int8 (one scale per output channel) or int4 (a scale and a zero per group of 
 input weights); the kernels dequantize on the fly:
 
 - int8: `aten._weight_int8pack_mm` (CPU, CUDA, MPS, XPU; weight [N, K] int8).
-- int4 on CPU: `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
+- int4 on CPU: our own kernel (vnni.py: int8 activations, AVX-512 VNNI) where the CPU has
+  the instructions, else `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
 - int4 on CUDA: `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (bf16 activations).
 
 A layer the kernels cannot take (shape, device or dtype) falls back to the next wider precision,
@@ -29,6 +30,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm import tqdm
+
+from . import vnni
 
 log = logging.getLogger("specdec")
 
@@ -205,10 +209,56 @@ class Int4Linear(QuantLinear):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
+def quantize_uint8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 8-bit per group of input weights: (q [N, K] in 0..255, scales, mins [N, K / group]
+    float16); w ~ q * scale + min."""
+    w = weight.float().reshape(weight.shape[0], -1, group_size)
+    mins = w.amin(dim=2).half().float()
+    scales = ((w.amax(dim=2) - mins) / 255).clamp(min=1e-7).half().float()
+    q = ((w - mins[..., None]) / scales[..., None]).round().clamp(0, 255).to(torch.int32)
+    return q.reshape(weight.shape), scales.half(), mins.half()
+
+
+class VnniLinear(QuantLinear):
+    """y = x @ dequant(q).T + bias on our VNNI kernel (vnni.py): w = q * scale + min per 32 inputs with
+    int4 or int8 codes q and float16 scales and mins; x rounded to int8 per 32 inputs."""
+
+    def __init__(self, packed: torch.Tensor, scale_min: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(packed.shape[1] * vnni.GROUP_SIZE, packed.shape[0] * vnni.ROWS, bias)
+        self.precision = f"int{packed.shape[2]}"
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_min", scale_min)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, precision: str) -> VnniLinear:
+        weight = linear.weight.detach()
+        if precision == "int4":
+            q, scales_and_zeros = quantize_int4(weight, vnni.GROUP_SIZE, torch.float16)
+            scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(dim=2)
+            packed = vnni.pack(q, scales, zeros - 8 * scales, bits=4)
+        else:
+            packed = vnni.pack(*quantize_uint8_groups(weight, vnni.GROUP_SIZE), bits=8)
+        return cls(*packed, linear.bias)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return vnni.mm(x, self.packed, self.scale_min)
+
+
+def kernel(device: torch.device, group_size: int) -> str:
+    """Which kernels a device gets: ours (`vnni`) where it runs, else torch's for the device."""
+    return "vnni" if vnni.supports(vnni.ROWS, vnni.GROUP_SIZE, group_size, device) else device.type
+
+
 def _quantize_layer(linear: nn.Linear, precision: str, group_size: int) -> QuantLinear:
     """`linear` at `precision`, trying one run of the kernel so that a device's unknown limits show here."""
-    layer = Int4Linear.from_linear(linear, group_size) if precision == "int4" else Int8Linear.from_linear(linear)
-    layer(torch.zeros(1, layer.in_features, dtype=linear.weight.dtype, device=linear.weight.device))
+    weight = linear.weight
+    if vnni.supports(*weight.shape, group_size, weight.device):
+        layer = VnniLinear.from_linear(linear, precision)
+    elif precision == "int8":
+        layer = Int8Linear.from_linear(linear)
+    else:
+        layer = Int4Linear.from_linear(linear, group_size)
+    layer(torch.zeros(1, layer.in_features, dtype=weight.dtype, device=weight.device))
     return layer
 
 
@@ -244,9 +294,9 @@ def _fingerprint(linears: dict[str, nn.Linear]) -> str:
 
 
 def cache_file(model_dir: str | Path, weights: str, group_size: int, device: torch.device) -> Path:
-    """Where a model's packed weights live: the int4 packing is device-specific, so the name says which."""
+    """Where a model's packed weights live: the packing is kernel-specific, so the name says which."""
     group = f"-g{group_size}" if weights == "int4" else ""
-    return Path(model_dir) / f"packed-{weights}{group}-{device.type}.safetensors"
+    return Path(model_dir) / f"packed-{weights}{group}-{kernel(device, group_size)}.safetensors"
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -287,6 +337,7 @@ def quantize_model(
         "device": some.weight.device.type,
         "dtype": str(some.weight.dtype),
         "group_size": group_size,
+        "kernel": kernel(some.weight.device, group_size),
         "wanted": wanted,
         "source": _fingerprint(linears),
     }
@@ -298,7 +349,8 @@ def quantize_model(
         return manifest["layers"]
 
     layers = {}
-    for name, precision in wanted.items():
+    # A 1.5B model takes minutes (the step search): show progress, except for small test models.
+    for name, precision in tqdm(wanted.items(), desc=f"quantize to {weights}", unit="layer", disable=len(wanted) < 100):
         # pop: the float layer is freed as soon as its replacement is in (peak memory on CUDA).
         linear = linears.pop(name)
         if precision in QUANTIZED and (layer := _quantize_with_fallback(name, linear, precision, group_size)):
@@ -319,7 +371,9 @@ def _load_cached(model: nn.Module, linears: dict[str, nn.Linear], path: Path, la
     tensors = {name: t.to(device, copy=True) for name, t in load_file(str(path)).items()}
     for name, precision in layers.items():
         bias = linears[name].bias
-        if precision == "int4":
+        if f"{name}.scale_min" in tensors:
+            layer = VnniLinear(tensors[f"{name}.packed"], tensors[f"{name}.scale_min"], bias)
+        elif precision == "int4":
             layer = Int4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], group_size, bias)
         else:
             layer = Int8Linear(tensors[f"{name}.weight"], tensors[f"{name}.scales"], bias)

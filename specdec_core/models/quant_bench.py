@@ -25,7 +25,8 @@ from ..config import Config, ModelConfig
 from ..engine import Engine
 from ..sampling import SamplingParams
 from ..sequence import Sequence
-from .quant import DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, cache_file, quantize_model
+from . import vnni
+from .quant import DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, VnniLinear, cache_file, quantize_model
 from .registry import model_dir
 from .runner import ModelRunner
 
@@ -99,13 +100,16 @@ def _copies(layer: nn.Module, working_set: int) -> list[nn.Module]:
 @torch.no_grad()
 def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[int], working_set: int) -> None:
     print(f"machine: {machine_line()}; each variant cycles through {working_set / 1e6:.0f} MB of copies\n")
-    names = ["int8"] + [f"int4 g{g}" for g in groups]
+    # int8, int4 gN: torch's kernels; int8 / int4 vnni: ours (g32), where this CPU runs it.
+    names = ["int8"] + [f"int4 g{g}" for g in groups] + (["int8 vnni", "int4 vnni"] if vnni.extension() else [])
     print("| layer (out x in) | tokens | bf16 ms | " + " | ".join(f"{v} ms (x bf16)" for v in names) + " |")
     print("|---" * (3 + len(names)) + "|")
     for name, out_features, in_features in QWEN_1_5B_LAYERS:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
         layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
         layers.update({f"int4 g{g}": Int4Linear.from_linear(linear, g) for g in groups})
+        if vnni.extension():
+            layers.update({f"{p} vnni": VnniLinear.from_linear(linear, p) for p in ("int8", "int4")})
         copies = {v: _copies(layer, working_set) for v, layer in layers.items()}
         for k in tokens:
             x = torch.randn(k, in_features, dtype=torch.bfloat16)
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.choices["decode"].add_argument("--rounds", type=int, default=3)
     sub.choices["decode"].add_argument("--max-tokens", type=int, default=32)
     sub.choices["quality"].add_argument("--tokens", type=int, default=2048)
-    sub.choices["quality"].add_argument("--chunk", type=int, default=256)
+    # Under vnni.DEQUANTIZE_ROWS, so that the int4 kernel runs as it does when decoding.
+    sub.choices["quality"].add_argument("--chunk", type=int, default=64)
     sub.choices["quality"].add_argument("--gen-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     if args.threads:

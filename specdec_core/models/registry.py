@@ -421,14 +421,22 @@ def list_models() -> list[dict]:
     ]
 
 
-def pull_command(names: list[str]) -> int:
-    """``specdec pull NAME...``: pull each model and print its path; exit code 1 on the first error."""
+def pull_command(names: list[str], weights: str | None = None) -> int:
+    """``specdec pull NAME... [--weights int4|int8]``: pull each model and print its path, and with
+    `weights` also quantize it and cache the packed weights, so that a start loads them directly;
+    exit code 1 on the first error."""
     for name in names:
         try:
             print(pull(name))
         except RegistryError as error:
             print(f"specdec: error: {error}", file=sys.stderr)
             return 1
+        if weights:
+            from ..build import load_runner
+            from ..config import ModelConfig
+
+            load_runner(name, ModelConfig(target=name, weights=weights))
+            print(f"{name}: {weights} weights packed and cached")
     return 0
 
 

@@ -1,0 +1,95 @@
+"""Our CPU kernel for quantized linear layers (vnni.cpp): int4 or int8 weights times int8 activations
+on AVX-512 VNNI.
+
+torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
+in floats too; this one multiplies integer codes with `vpdpbusd`, as llama.cpp does, so a pass over
+a few tokens (verification) costs little more than one token's (docs/QUANT.md has the per-layer
+costs). Weights are group-wise, w = q * scale + min per 32 inputs. It is compiled once per machine
+with torch's extension builder (g++ and ninja; about a minute) and used where the CPU has the
+instructions; elsewhere `quant.Int4Linear` / `quant.Int8Linear` keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specdec")
+
+GROUP_SIZE = 32  # inputs per scale and min; fixed by the kernel
+ROWS = 16  # output rows per block: one AVX-512 register of int32 sums
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+# -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one thread. The
+# extension then shares the libgomp torch has loaded (same soname).
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+# From this many rows (a long prompt's prefill) dequantizing the weights to bf16 and multiplying on
+# the CPU's matrix units beats the integer dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
+# against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md).
+DEQUANTIZE_ROWS = 128
+SOURCE = Path(__file__).with_name("vnni.cpp")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def extension():
+    """The compiled kernel, or None where the CPU lacks the instructions or it cannot be built (logged once)."""
+    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        log.info("quantize: this CPU lacks %s; using torch's int4 / int8 kernels", ", ".join(missing))
+        return None
+    from torch.utils.cpp_extension import load
+
+    from .registry import cache_dir
+
+    # Under specdec's cache, so that an image built with its weights has the kernel too. torch
+    # rebuilds it when the source changes, and skips the build (quietly) when it has not.
+    build_dir = cache_dir() / "kernels" / f"vnni-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log.info("quantize: loading the AVX-512 VNNI kernel from %s (built once per machine, about a minute)", build_dir)
+    try:
+        return load(name="specdec_vnni", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir))
+    except (RuntimeError, OSError, ImportError) as error:
+        log.warning("quantize: could not build the VNNI kernel (%s); using torch's int4 / int8 kernels, which are slower. "
+                    "It needs g++ and ninja (`pip install ninja`)", error)
+        return None
+
+
+def supports(out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
+    return (device.type == "cpu" and group_size == GROUP_SIZE and out_features % ROWS == 0
+            and in_features % GROUP_SIZE == 0 and extension() is not None)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [N, K] in 0..2^bits - 1 with scales and mins [N, K / 32] (w = q * scale + min) in the
+    kernel's layout: packed [N/16, K/32, bits, 64] uint8 and scale_min [N/16, K/32, 2, 16] float16."""
+    n, k = q.shape
+    # Operand i of a group holds inputs 4i..4i+3 of 16 rows, row-major (vnni.cpp).
+    operands = q.to(torch.uint8).view(n // ROWS, ROWS, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
+    if bits == 4:  # operands 2c and 2c + 1 share chunk c: low and high nibbles
+        operands = operands[:, :, 0::2] | operands[:, :, 1::2] << 4
+    packed = operands.reshape(n // ROWS, k // GROUP_SIZE, bits, 64).contiguous()
+    per_group = torch.stack([scales.half(), mins.half()]).view(2, n // ROWS, ROWS, k // GROUP_SIZE)
+    return packed, per_group.permute(1, 3, 0, 2).contiguous()
+
+
+def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
+    to int8 per 32 inputs, and each row's result is the same whatever the number of rows (a verify
+    pass computes what single steps do); from there on the weights are dequantized to bf16."""
+    if x.shape[0] >= DEQUANTIZE_ROWS:
+        return torch.mm(x, extension().vnni_dequantize_t(packed, scale_min).to(x.dtype))
+    if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads and writes these two
+        return extension().vnni_mm(x.float(), packed, scale_min).to(x.dtype)
+    return extension().vnni_mm(x, packed, scale_min)
