@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .models.quant import QuantLinear
+
 log = logging.getLogger("specdec")
 
 CORPUS_BYTES = 8 * 2**20  # about 8 s of tokenizing on this CPU, once per model
@@ -90,10 +92,14 @@ class ReducedVocab:
         return len(self.ids)
 
     def head(self, output: nn.Module) -> nn.Linear:
-        """A copy of the rows of `output` (a float nn.Linear) for these tokens."""
-        if not isinstance(output, nn.Linear):
-            raise TypeError(f"a reduced vocabulary slices a float output layer, not {type(output).__name__}")
-        weight = output.weight.detach()
+        """A float copy of the rows of `output` (an nn.Linear, or a quantized one: its rows dequantized)
+        for these tokens."""
+        if isinstance(output, QuantLinear):
+            weight = output.dequantize()
+        elif isinstance(output, nn.Linear):
+            weight = output.weight.detach()
+        else:
+            raise TypeError(f"a reduced vocabulary slices a linear output layer, not {type(output).__name__}")
         head = nn.Linear(weight.shape[1], self.size, bias=output.bias is not None, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             head.weight.copy_(weight[self.ids.to(weight.device)])

@@ -85,3 +85,10 @@ def test_calibrate_measures_drafters_against_plain_decoding(capsys):
     figures = dict(zip(rows["layer-skip:gamma=2"][::2], map(float, rows["layer-skip:gamma=2"][1::2])))
     assert {"speedup", "cost_ratio", "acceptance", "mean_accepted_length"} <= set(figures)
     assert figures["cost_ratio"] > 0 and 1 <= figures["mean_accepted_length"] <= 3  # gamma 2: at most 3 per step
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path: Path):
+    from specdec_core.config import Config
+
+    Config.load(path)

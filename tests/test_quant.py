@@ -248,3 +248,18 @@ def test_speculative_sampling_over_an_int4_target_is_distributed_as_it(setting: 
     assert 0.1 * sum(seq.stats.draft_tokens for seq in seqs) < accepted
     result = pvalues(tokens, exact(target, prompt, params))
     assert min(result.values()) > ALPHA, result
+
+
+@pytest.mark.parametrize("weights", quant.QUANTIZED)
+def test_a_reduced_vocabulary_takes_the_rows_of_a_quantized_output_layer(weights: str):
+    """EAGLE and Medusa over a quantized target slice its output layer for their reduced vocabulary."""
+    from specdec_core.vocab import ReducedVocab
+
+    model = tiny_runner(dtype="bf16").model
+    quantize_model(model, weights, 32)
+    output = model.get_output_embeddings()
+    vocab = ReducedVocab(torch.tensor([0, 3, 7, 40]), output.out_features)
+    x = torch.randn(5, output.in_features, dtype=torch.bfloat16)
+    sliced = vocab.head(output)(x).float()
+    full = output(x).float()[:, vocab.ids]
+    assert (sliced - full).abs().max() <= 0.03 * full.abs().max()  # bf16, and int8 activations in the kernel

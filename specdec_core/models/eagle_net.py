@@ -181,7 +181,7 @@ def load_eagle(name: str, target: nn.Module, target_name: str) -> EagleNet:
             f"train them with `{train}`"
         )
     state = load_file(str(directory / WEIGHTS_FILE), device=str(next(target.parameters()).device))
-    net = EagleNet(target, read_vocab(state, target.get_output_embeddings().weight.shape[0]))
+    net = EagleNet(target, read_vocab(state, target.get_output_embeddings().out_features))
     state.pop(VOCAB_KEY, None)
     net.load_state_dict(state)
     return net.eval().requires_grad_(False)

@@ -1,14 +1,15 @@
-"""Weight-only int8 and int4 linear layers on torch's own kernels, and a cache of packed weights.
+"""Weight-only int8 and int4 linear layers, and a cache of packed weights.
 
 Decoding one token streams every weight from memory, so the bytes per weight set the speed
 (DESIGN.md, "Why it works"). These layers keep activations in the model's dtype and store weights
-as int8 (one scale per output channel) or int4 (a scale and a zero per group of `group_size`
-input weights); the kernels dequantize on the fly:
+as int8 or int4 codes; the kernels:
 
-- int8: `aten._weight_int8pack_mm` (CPU, CUDA, MPS, XPU; weight [N, K] int8).
-- int4 on CPU: our own kernel (vnni.py: int8 activations, AVX-512 VNNI) where the CPU has
-  the instructions, else `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
-- int4 on CUDA: `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (bf16 activations).
+- On a CPU with AVX-512 VNNI, ours (vnni.py, `VnniLinear`): int4 or int8 codes with a float16
+  scale and min per 32 inputs, times activations rounded to int8 per 32 inputs.
+- Elsewhere torch's: int8 with one scale per output channel, `aten._weight_int8pack_mm` (CPU,
+  CUDA, MPS, XPU); int4 with a scale and zero per `group_size` inputs,
+  `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU,
+  `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` on CUDA (bf16 activations).
 
 A layer the kernels cannot take (shape, device or dtype) falls back to the next wider precision,
 and the fallback is logged. Packing the weights of a big model takes a while (the 1.5B: 112 s
@@ -52,9 +53,11 @@ ROWS_PER_CHUNK = 2048
 HEAD_WEIGHTS = "int8"
 CACHE_FORMAT = 3  # bump when the cache's layout or quantization math changes
 SCHEME = {  # written into each cache manifest, for whoever reads one
-    "int8": "symmetric, one scale per output channel: w = q * scale",
+    "int8": "symmetric, one scale per output channel: w = q * scale (torch's kernel); asymmetric per 32 "
+    "inputs, float16 scale and min: w = q * scale + min (vnni)",
     "int4": "asymmetric per group of input weights, step (max - min) / levels with the least squared "
-    f"error for levels in {INT4_LEVELS}: w = (q - 8) * scale + zero",
+    f"error for levels in {INT4_LEVELS}: w = (q - 8) * scale + zero (torch's kernel), or with float16 "
+    "scale and min = zero - 8 * scale: w = q * scale + min (vnni)",
 }
 
 
@@ -66,6 +69,7 @@ class QuantLinear(nn.Module):
     """Shared forward: flatten [..., in] to the 2D contiguous input the kernels need, add the bias."""
 
     precision: str
+    dtype = torch.bfloat16  # the activation dtype; quantize_model sets the model's
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -81,6 +85,13 @@ class QuantLinear(nn.Module):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the activation dtype, as the kernel sees it (for drafters that take
+        rows of a quantized output layer): the kernel applied to the identity."""
+        device = next(iter(self.packed_tensors().values())).device
+        return self._mm(torch.eye(self.in_features, dtype=self.dtype, device=device)).T.contiguous()
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors that rebuild this layer (the bias stays with the model it came from)."""
@@ -258,6 +269,7 @@ def _quantize_layer(linear: nn.Linear, precision: str, group_size: int) -> Quant
         layer = Int8Linear.from_linear(linear)
     else:
         layer = Int4Linear.from_linear(linear, group_size)
+    layer.dtype = weight.dtype
     layer(torch.zeros(1, layer.in_features, dtype=weight.dtype, device=weight.device))
     return layer
 
@@ -377,4 +389,5 @@ def _load_cached(model: nn.Module, linears: dict[str, nn.Linear], path: Path, la
             layer = Int4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], group_size, bias)
         else:
             layer = Int8Linear(tensors[f"{name}.weight"], tensors[f"{name}.scales"], bias)
+        layer.dtype = linears[name].weight.dtype
         _replace(model, name, layer)

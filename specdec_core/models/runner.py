@@ -86,7 +86,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.config = model.config
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features
         self.num_layers = model.config.num_hidden_layers
 
     # -- cache bookkeeping -------------------------------------------------

@@ -3,8 +3,8 @@ on AVX-512 VNNI.
 
 torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
 in floats too; this one multiplies integer codes with `vpdpbusd`, as llama.cpp does, so a pass over
-a few tokens (verification) costs little more than one token's (docs/QUANT.md has the per-layer
-costs). Weights are group-wise, w = q * scale + min per 32 inputs. It is compiled once per machine
+a few tokens (verification) costs about twice one token's, not 3-4x (docs/QUANT.md has the
+per-layer costs). Weights are group-wise, w = q * scale + min per 32 inputs. It is compiled once per machine
 with torch's extension builder (g++ and ninja; about a minute) and used where the CPU has the
 instructions; elsewhere `quant.Int4Linear` / `quant.Int8Linear` keep torch's kernels.
 """
