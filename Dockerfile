@@ -1,11 +1,12 @@
 # specdec server image: weights pulled and converted at build time, so a container starts offline.
 #
-#   docker build -t specdec .                                   # CPU torch, qwen2.5-coder-1.5b (+0.5b drafter)
+#   docker build -t specdec .                                   # CPU torch, qwen2.5-coder-1.5b int4 (+0.5b drafter)
 #   docker build -t specdec:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#     --build-arg CONFIG=configs/default-bf16.yaml --build-arg WEIGHTS= .
 #   docker build -t specdec:smollm2 --build-arg MODELS=smollm2-135m \
-#     --build-arg CONFIG=configs/smollm2.yaml .
+#     --build-arg CONFIG=configs/smollm2.yaml --build-arg WEIGHTS= .
 #
 # Configuration: mount a YAML over /etc/specdec/config.yaml (or point SPECDEC_CONFIG elsewhere);
 # its models must be among MODELS, since the container has no network. docs/DEPLOY.md.
