@@ -254,6 +254,11 @@ class VnniLinear(QuantLinear):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return vnni.mm(x, self.packed, self.scale_min)
 
+    @torch.no_grad()
+    def dequantize(self) -> torch.Tensor:
+        # The kernel's own dequantization: the identity through the kernel would be a full matmul.
+        return vnni.dequantize_t(self.packed, self.scale_min).T.to(self.dtype).contiguous()
+
 
 def kernel(device: torch.device, group_size: int) -> str:
     """Which kernels a device gets: ours (`vnni`) where it runs, else torch's for the device."""

@@ -84,12 +84,17 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
     return packed, per_group.permute(1, 3, 0, 2).contiguous()
 
 
+def dequantize_t(packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """The weights, transposed: [K, N] bf16."""
+    return extension().vnni_dequantize_t(packed, scale_min)
+
+
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
     to int8 per 32 inputs, and each row's result is the same whatever the number of rows (a verify
     pass computes what single steps do); from there on the weights are dequantized to bf16."""
     if x.shape[0] >= DEQUANTIZE_ROWS:
-        return torch.mm(x, extension().vnni_dequantize_t(packed, scale_min).to(x.dtype))
+        return torch.mm(x, dequantize_t(packed, scale_min).to(x.dtype))
     if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads and writes these two
         return extension().vnni_mm(x.float(), packed, scale_min).to(x.dtype)
     return extension().vnni_mm(x, packed, scale_min)
