@@ -2,16 +2,31 @@
 
 Requests forbid unknown fields: a parameter we do not implement gets a 400
 that names it instead of being silently ignored. A JSON null means "use the
-default", as OpenAI treats it.
+default", as OpenAI treats it. Types are strict: "8" is not an integer, false
+is not a token id, NaN is not a temperature; the client is told, not guessed at.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specdec_core.sampling import SamplingParams
+
+log = logging.getLogger("specdec.server")
 
 
 class APIError(Exception):
@@ -38,25 +53,90 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong, and what to do about it")
+    type: str = Field(description="invalid_request_error, rate_limit_error or server_error")
+    param: str | None = Field(description="The request field at fault, if one is")
+    code: str | None = Field(description="A stable name for the error, if it has one")
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+# What the OpenAPI schema says the API answers besides 200 (app.py removes FastAPI's unused 422).
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        400: "The request is invalid; the message says how",
+        401: "A valid API key is required",
+        404: "No such model or path",
+        405: "Method not allowed (see the Allow header)",
+        408: "The request body did not arrive in time",
+        413: "The request body is too large",
+        429: "A rate limit or the queue is full (see Retry-After)",
+        500: "The server failed (the request was fine); its log has the cause",
+        503: "Loading, draining or shutting down",
+    }.items()
+}
+
+
+def internal_error(what: str, exc: BaseException) -> APIError:
+    """A 500 for a failure of ours: the cause goes to the log under an incident id, never to the client."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("%s (incident %s)", what, incident, exc_info=(type(exc), exc, exc.__traceback__))
+    return APIError(
+        500, f"{what}; this is the server's fault, not the request's: its log has the cause under incident {incident}",
+        type="server_error", code="internal_error",
+    )
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """A 400 from pydantic's errors: every problem in the message, the first one's top-level field as param."""
     messages = []
     for error in errors:
-        loc = [part for part in error.get("loc", ()) if part != "body"]
+        # Union members name themselves in loc ("list[TextPart]", "function-after[...]"): not the client's words.
+        loc = [part for part in error.get("loc", ()) if part != "body" and not (isinstance(part, str) and "[" in part)]
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         if error["type"] == "extra_forbidden":
             messages.append(f"{path} is not supported by this server")
         elif error["type"] == "json_invalid":
             messages.append("the request body is not valid JSON")
         else:
-            messages.append(f"{path}: " * bool(path) + error["msg"].removeprefix("Value error, "))
+            messages.append(f"{path}: " * bool(path) + _message(error))
     loc = [part for part in errors[0].get("loc", ()) if part != "body"]
+    if not loc and errors[0]["type"] == "missing":  # no body at all
+        return APIError(400, "the request has no body: send a JSON object with Content-Type: application/json")
     param = loc[0] if loc and isinstance(loc[0], str) and errors[0]["type"] != "json_invalid" else None
     return APIError(400, "; ".join(messages), param=param)
 
 
+def _message(error: dict) -> str:
+    """pydantic's words for one error, with what to do where they leave it out."""
+    if error["type"] == "string_unicode":
+        return "is not valid Unicode (an unpaired UTF-16 surrogate such as \\ud800?); send valid Unicode text"
+    return error["msg"].removeprefix("Value error, ")
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate (\\ud800), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains an unpaired UTF-16 surrogate ({text[exc.start]!r} at character {exc.start}); send valid Unicode text"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TOKEN_ID_DIGITS = 10  # logit_bias keys are token ids: no vocabulary has 10**10 tokens
+
+
 class Schema(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -84,20 +164,27 @@ class SamplingRequest(Schema):
     n: int = Field(1, ge=1)  # upper bounds of n, stop and top_logprobs: config (security.limits), server/security.py
     stream: bool = False
     stream_options: StreamOptions = Field(default_factory=StreamOptions)
-    stop: Annotated[list[str], BeforeValidator(_as_list)] = Field(default_factory=list)
+    stop: Annotated[list[Text], BeforeValidator(_as_list)] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = Field(default_factory=dict)
     user: str | None = None  # accepted for compatibility; not used
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float]) -> dict[str, float]:
+        for key in bias:
+            # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+            if not (key.isascii() and key.isdigit() and len(key) <= TOKEN_ID_DIGITS):
+                raise ValueError(f"key {key[:20]!r} is not a token id (a decimal integer as a string, such as \"50256\")")
+        return bias
+
     def sampling(self, index: int, vocab_size: int) -> SamplingParams:
         """Sampling settings of the index-th of n sequences (seed + index, so each differs yet reproduces)."""
-        bias = {}
-        for key, value in self.logit_bias.items():
-            if not key.isdigit() or int(key) >= vocab_size:
-                raise APIError(400, f"logit_bias key {key!r} is not a token id below {vocab_size}", param="logit_bias")
-            bias[int(key)] = value
+        bias = {int(key): value for key, value in self.logit_bias.items()}
+        if bias and max(bias) >= vocab_size:
+            raise APIError(400, f"logit_bias key {max(bias)} is not a token id below {vocab_size}", param="logit_bias")
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -108,12 +195,40 @@ class SamplingRequest(Schema):
         )
 
 
+PromptText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = (
+    PromptText | Annotated[list[PromptText], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+)
+
+
+def prompt_items(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of a completion request: a string or one list of token ids is one prompt."""
+    return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_prompt_shape(cls, value: Any, handler: Any) -> Any:
+        # pydantic would list why the value fits none of the four shapes, one error each; the one
+        # that got deepest into the value, past its type, is the shape the client meant.
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            deepest = max(exc.errors(), key=lambda error: (
+                sum(isinstance(part, int) for part in error["loc"]), not error["type"].endswith("_type")))
+            where = "".join(f"[{part}]" for part in deepest["loc"] if isinstance(part, int))
+            raise ValueError(
+                "must be a non-empty string, a list of non-empty strings, a list of token ids (integers >= 0), "
+                f"or a list of such lists; prompt{where}: {_message(deepest)}"
+            ) from None
 
     @field_validator("best_of")
     @classmethod
@@ -125,13 +240,13 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(Schema):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Schema):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def as_template_input(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -148,6 +263,6 @@ class ChatRequest(SamplingRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
-        if not info.data.get("logprobs"):
+        if value and not info.data.get("logprobs"):  # 0 asks for nothing, with or without logprobs
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
