@@ -28,7 +28,7 @@ from specdec_core.sequence import Sequence, SpecStats
 
 from .detokenize import Piece, TextOutput
 from .metrics import Metrics
-from .schemas import APIError
+from .schemas import APIError, internal_error
 
 log = logging.getLogger("specdec.server")
 
@@ -218,8 +218,8 @@ class Scheduler:
             except Exception as exc:
                 # Whatever broke (a step, a prefill's leftovers, this loop) broke the batch:
                 # fail its requests, keep the waiting ones, keep serving.
-                log.exception("the worker failed; failing the %d sequences in the batch", len(self.engine.seqs))
-                self._fail_batch(APIError(500, f"decoding failed: {exc}", type="server_error"))
+                what = f"decoding failed for the whole batch ({len(self.engine.seqs)} sequences)"
+                self._fail_batch(internal_error(what, exc))
 
     def _iterate(self) -> bool:
         """One round: cancel, expire, admit, step. False once it is time to stop."""
@@ -242,16 +242,17 @@ class Scheduler:
         return True
 
     def _take_admissible(self) -> list[tuple[Job, Choice]]:
-        """Pop waiting choices, oldest job first, into the batch's free slots."""
+        """Pop waiting choices into the batch's free slots, one per job in turn (oldest first), so
+        that a request of many sequences shares the slots with the requests behind it."""
         free = self.settings.max_batch_size - len(self.engine.seqs)
         taken = []
         with self._cond:
             while free > 0 and self._waiting:
-                job = self._waiting[0]
+                job = self._waiting.popleft()
                 taken.append((job, job.unadmitted.popleft()))
                 free -= 1
-                if not job.unadmitted:
-                    self._waiting.popleft()
+                if job.unadmitted:
+                    self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
         return taken
 
@@ -263,8 +264,7 @@ class Scheduler:
         try:
             prompt_logits = self.engine.add(seq, prompt_logits=choice.echo_logprobs)
         except Exception as exc:
-            log.exception("prefill of %s failed", seq.request_id)
-            self._fail(job, APIError(500, f"prefill failed: {exc}", type="server_error"))
+            self._fail(job, internal_error(f"the prefill of {seq.request_id} failed", exc))
             return
         self._active[id(seq)] = (job, choice)
         choice.output = TextOutput(self.engine.target.tokenizer, seq.prompt_ids, choice.stop)
@@ -277,8 +277,14 @@ class Scheduler:
     def _step(self) -> None:
         report = self.engine.step()
         self.metrics.observe_step(report)
+        for seq, exc in report.failed:  # the engine has removed these rows; their requests end here
+            job, _ = self._active[id(seq)]
+            if job in self._jobs:  # a job with several failed rows ends once
+                self._fail(job, internal_error(f"decoding {seq.request_id} failed", exc))
         stopped = []
         for row in report.rows:
+            if id(row.seq) not in self._active:
+                continue  # its job failed above, with another of its rows
             job, choice = self._active[id(row.seq)]
             pieces = []
             for token in row.new_tokens:

@@ -49,6 +49,7 @@ class StepReport:
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft token at j was kept
     drafted_per_position: list[int] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # rows whose verification raised; removed
 
 
 class Engine:
@@ -148,12 +149,18 @@ class Engine:
             length, drafted = proposal.lengths[i], positions[i]
             draft = proposal.tokens[i, :length].to(device)
             q = proposal.probs[i, :length] if proposal.probs is not None else None
-            path, tokens = self._verify(seq, draft, q, parents[i] if parents else None, logits[i, : length + 1])
+            try:
+                path, tokens = self._verify(seq, draft, q, parents[i] if parents else None, logits[i, : length + 1])
+            except Exception as exc:  # this row's numbers (NaN logits, say): it alone leaves the batch
+                report.failed.append((seq, exc))
+                path, tokens = [], None
             slots = [0] + [1 + j for j in path]  # this step's slots the row keeps: its last token, then the path
             keep[i, slots] = True
             paths.append(path)
             if features:
                 kept_features.append(hidden[-1][i, slots])
+            if tokens is None:  # failed: keeps only its last token's slot, and leaves the batch below
+                continue
             for j in range(drafted):
                 report.drafted_per_position[j] += 1
                 report.accepted_per_position[j] += j < len(path)
@@ -174,7 +181,7 @@ class Engine:
             drafted=sum(positions), accepted=sum(row.accepted for row in report.rows),
         )
         report.finished = [seq for seq in seqs if seq.finished]
-        self.remove(report.finished)
+        self.remove(report.finished + [seq for seq, _ in report.failed])
         return report
 
     def _propose(self, seqs: list[Sequence], gamma: int) -> Proposal:

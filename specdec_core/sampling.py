@@ -13,9 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Temperatures below this are greedy, as in vLLM: logits / 1e-40 overflow to inf, and the softmax
+# of such a row is NaN. At 1e-5 a logit gap of 0.01 is already a factor of e^1000.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings; temperature 0 is greedy."""
+    """Per-request sampling settings; a temperature of 0 (or below GREEDY_BELOW) is greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,7 +32,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_counts(self) -> bool:
