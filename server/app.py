@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
+import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import start_http_server
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec_core.build import build_engine
-from specdec_core.config import Config
+from specdec_core.config import Config, ServerConfig
 
 from .metrics import Metrics, RequestCounter
 from .routes import router
 from .scheduler import Scheduler
-from .schemas import APIError, validation_error
+from .schemas import APIError, internal_error, validation_error
 from .security import ApiKeys, Guard, RateLimiter, load_keys
 
 log = logging.getLogger("specdec.server")
@@ -48,6 +54,10 @@ def create_app(config: Config, drafter: str | None = None) -> FastAPI:
             app.state.metrics_listener.server_close()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
+    app.openapi = _openapi(app)
+    access_log = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactQuery) for f in access_log.filters):
+        access_log.addFilter(RedactQuery())
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.model_name = config.server.served_model_name or config.model.target
@@ -92,25 +102,88 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = str(exc.detail)
     if message == _UNPARSED_BODY:
         message = "the request body could not be parsed: send one JSON object, UTF-8 encoded, nested at most a few levels"
-    return _respond(APIError(exc.status_code, message, type=kind))
+    # Starlette's own headers stay: a 405's Allow names the methods the path takes.
+    return _respond(APIError(exc.status_code, message, type=kind, headers=exc.headers))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises the exception after this response, and uvicorn logs its traceback.
-    return _respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+    return _respond(internal_error(f"{request.method} {request.url.path} failed", exc))
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict]:
+    """FastAPI's schema without the 422 it adds to every route with a body: a bad body gets our 400."""
+
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in spec["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                spec.get("components", {}).get("schemas", {}).pop(unused, None)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    return schema
+
+
+class JsonErrorH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a malformed Content-Length,
+    say) with the OpenAI error shape instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(APIError(400, f"{msg} Check the request line and headers (Content-Length).").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+class RedactQuery(logging.Filter):
+    """Access-log lines without query strings: the API takes none, so one is a mistake, and may be
+    a key sent as ?api_key=."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) == 5 and "?" in str(record.args[2]):
+            client, method, path, version, status = record.args
+            record.args = (client, method, path.split("?", 1)[0] + "?[query redacted]", version, status)
+        return True
+
+
+def server_config(app: FastAPI, settings: ServerConfig, **options: object) -> uvicorn.Config:
+    """uvicorn's settings for the app: our protocol, and a shutdown backstop past the drain."""
+    return uvicorn.Config(
+        app,
+        http=JsonErrorH11Protocol,
+        # A backstop only: the scheduler itself ends in-flight requests once the grace is over.
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
+        **options,
+    )
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the scheduler at SIGTERM/SIGINT so that it stops admitting at once
-    and ends what is still running after shutdown_grace_s (uvicorn itself waits for open requests)."""
+    and ends what is still running after shutdown_grace_s (uvicorn itself waits for open requests).
+    The listener stays open for drain_listen_s first, so that load balancers see /health's 503
+    rather than refused connections; a second signal closes it at once."""
 
     def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
         super().__init__(config)
         self.scheduler = scheduler
+        self._closing: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
+        serving = self.scheduler.state == "ready"
         self.scheduler.drain(self.scheduler.settings.shutdown_grace_s)
-        super().handle_exit(sig, frame)
+        listen_s = self.scheduler.settings.drain_listen_s
+        if serving and listen_s > 0 and self._closing is None:
+            log.info("draining: new requests get 503; the listener closes in %.0f s", listen_s)
+            self._closing = threading.Timer(listen_s, super().handle_exit, (sig, frame))
+            self._closing.daemon = True
+            self._closing.start()
+        else:
+            super().handle_exit(sig, frame)
 
 
 def serve(config_path: str, host: str | None = None, port: int | None = None, drafter: str | None = None) -> int:
@@ -120,16 +193,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, dr
     app = create_app(config, drafter=drafter)
     scheduler: Scheduler = app.state.scheduler
     settings = config.server
-    server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=host or settings.host,
-            port=port or settings.port,
-            # A backstop only: the scheduler itself ends in-flight requests once the grace is over.
-            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
-        ),
-        scheduler,
-    )
+    server = DrainingServer(server_config(app, settings, host=host or settings.host, port=port or settings.port), scheduler)
     scheduler.on_load_error = lambda: server.handle_exit(signal.SIGTERM, None)
     # uvicorn re-raises the signal that stopped it once shutdown is over; by then the drain
     # is done, so the process should end with serve's status rather than die by that signal.

@@ -15,6 +15,7 @@ from specdec_core.engine import StepReport
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 ACCEPTANCE_WINDOW = 100  # speculative steps per method behind acceptance_rate
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away before its answer
 
 
 class Metrics:
@@ -112,7 +113,9 @@ class Metrics:
 
 
 class RequestCounter:
-    """Counts requests_total{endpoint,status} from the status each response starts with."""
+    """Counts requests_total{endpoint,status} from the status each response starts with; a request
+    the app failed before it answered counts as 500 (the outermost handler answers it), and one it
+    never answered (the client left first) as 499."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -124,9 +127,20 @@ class RequestCounter:
         # Unknown paths share one label so that scanners cannot blow up the label set.
         endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
 
+        started = False
+
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise
+        if not started:
+            self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()

@@ -1,6 +1,7 @@
 """HTTP routes: OpenAI completions and chat, models, health, metrics.
 
-A route validates and tokenizes on the event loop, submits a `Job` to the
+A route validates on the event loop, tokenizes in a thread of its own (a
+large prompt must not stall every other connection), submits a `Job` to the
 scheduler, and answers with the collected JSON or an SSE stream. A client
 that goes away (stream or not) has its job cancelled.
 """
@@ -8,24 +9,33 @@ that goes away (stream or not) has its job cancelled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
 
 from specdec_core.sequence import Sequence
 
+from .metrics import CLIENT_CLOSED
 from .responses import ChatFormat, CompletionFormat, Envelope, Format, collect, stream
-from .scheduler import Choice, ModelInfo, Scheduler
-from .schemas import APIError, ChatRequest, CompletionRequest, SamplingRequest
+from .scheduler import Choice, Job, ModelInfo, Scheduler
+from .schemas import ERROR_RESPONSES, APIError, ChatRequest, CompletionRequest, SamplingRequest, prompt_items
 from .security import MeteredJob, check_prompt_tokens, check_request
 
-router = APIRouter()
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; it shows in requests_total
+router = APIRouter(responses=ERROR_RESPONSES)
+# One thread: tokenizers are not safe to share across threads, and the event loop stays free.
+_tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+T = TypeVar("T")
 
 
-@router.get("/health")
+async def _off_loop(work: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_tokenizing, work)
+
+
+@router.get("/health", responses={200: {"description": "Ready"}, 503: {"description": "Loading, failed or draining"}})
 async def health(request: Request) -> JSONResponse:
     """200 when ready; 503 while the models load, after loading failed, and while draining."""
     scheduler: Scheduler = request.app.state.scheduler
@@ -40,8 +50,9 @@ async def models(request: Request) -> dict:
     return {"object": "list", "data": [model]}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
+    """Prometheus' text format."""
     metrics = request.app.state.metrics
     return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -50,7 +61,7 @@ async def metrics(request: Request) -> Response:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     model = _model(request, body)
     check_request(request.app.state.limits, body)
-    prompts = _completion_prompts(body.prompt, model)
+    prompts = await _off_loop(lambda: _completion_prompts(body.prompt, model))
     check_prompt_tokens(request.app.state.limits, sum(len(ids) for ids, _ in prompts), "prompt")
     for ids, _ in prompts:
         _check_length(len(ids), body.max_tokens, model.context_length, "prompt")
@@ -68,9 +79,11 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     tokenizer = model.tokenizer
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    messages = [message.as_template_input() for message in body.messages]
     try:
-        messages = [message.as_template_input() for message in body.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = await _off_loop(
+            lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     except Exception as exc:  # the template itself rejects some conversations (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     check_prompt_tokens(limits, len(ids), "messages")
@@ -97,11 +110,8 @@ def _model(request: Request, body: SamplingRequest) -> ModelInfo:
 
 def _completion_prompts(prompt: str | list, model: ModelInfo) -> list[tuple[list[int], str]]:
     """Token ids and text of each prompt (a string, strings, token ids, or lists of token ids)."""
-    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-    if not items:
-        raise APIError(400, "prompt must not be empty", param="prompt")
     prompts = []
-    for item in items:
+    for item in prompt_items(prompt):
         if isinstance(item, str):
             ids, text = model.tokenizer.encode(item), item
         else:
@@ -185,8 +195,8 @@ async def _collected(request: Request, scheduler: Scheduler, job: Job, result: A
         if not collector.done():  # the client left (or the server is cancelling this handler)
             collector.cancel()
             scheduler.cancel(job)
-    if collector.cancelled():
-        return Response(status_code=CLIENT_CLOSED)
+    if not collector.done() or collector.cancelled():  # cancel() takes effect at the task's next turn
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; requests_total counts it
     return JSONResponse(collector.result())
 
 

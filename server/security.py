@@ -14,6 +14,7 @@ are configured; keys themselves are never logged or used as labels.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
@@ -30,11 +31,12 @@ from specdec_core.config import LimitsConfig, RateLimitConfig, SecurityConfig
 
 from .metrics import Metrics
 from .scheduler import Choice, Job, Update
-from .schemas import APIError, ChatRequest, CompletionRequest
+from .schemas import APIError, ChatRequest, CompletionRequest, prompt_items
 
 API_KEY_ENV = "SPECDEC_API_KEY"
 MINUTE_S = 60.0  # budgets are per minute: a spent one refills fully in this long
 FORGET_AFTER = 4096  # clients remembered before those with full budgets are forgotten
+BUDGET_WORDS = {"requests": "requests", "tokens": "generated tokens", "wrong_keys": "wrong API keys from this address"}
 
 
 def load_keys(settings: SecurityConfig) -> list[str]:
@@ -88,36 +90,41 @@ class RateLimiter:
     def __init__(self, settings: RateLimitConfig, metrics: Metrics):
         self.clock = time.monotonic  # tests replace it to move time without waiting
         self.metrics = metrics
-        limits = {"requests": settings.requests_per_minute, "tokens": settings.tokens_per_minute}
+        limits = {
+            "requests": settings.requests_per_minute,
+            "tokens": settings.tokens_per_minute,
+            "wrong_keys": settings.wrong_keys_per_minute,
+        }
         self._limits = {reason: limit for reason, limit in limits.items() if limit is not None}
         self._clients: dict[str, dict[str, Bucket]] = {}
         self._forget_at = FORGET_AFTER
 
-    def admit(self, client: str) -> None:
-        """Take one request from the client's budget; a 429 with Retry-After while either budget is spent."""
+    def admit(self, client: str, budgets: tuple[str, ...] = ("requests", "tokens")) -> None:
+        """Take one request from the client's budget; a 429 with Retry-After while any of `budgets` is spent."""
         now = self.clock()
         buckets = self._buckets(client, now)
-        for reason, bucket in buckets.items():
-            level = bucket.fill(now)
+        for reason in budgets:
+            bucket = buckets.get(reason)
+            level = bucket.fill(now) if bucket else 1
             if level < 1:
                 self.metrics.rate_limited.labels(reason).inc()
                 wait_s = math.ceil((1 - level) * MINUTE_S / bucket.per_minute)
                 raise APIError(
                     429,
-                    f"rate limit reached: {bucket.per_minute} {reason} per minute "
+                    f"rate limit reached: {bucket.per_minute} {BUDGET_WORDS[reason]} per minute "
                     f"(security.rate_limit.{reason}_per_minute); retry in {wait_s} s",
                     type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(wait_s)},
                 )
-        if "requests" in buckets:
+        if "requests" in budgets and "requests" in buckets:
             buckets["requests"].level -= 1
 
-    def charge(self, client: str, tokens: int) -> None:
-        """Take generated tokens from the client's budget, into debt if need be: admit refuses until it refills."""
+    def charge(self, client: str, amount: int, budget: str = "tokens") -> None:
+        """Take from the client's budget, into debt if need be: admit refuses until it refills."""
         now = self.clock()
-        bucket = self._buckets(client, now).get("tokens")
+        bucket = self._buckets(client, now).get(budget)
         if bucket is not None:
             bucket.fill(now)
-            bucket.level -= tokens
+            bucket.level -= amount
 
     def _buckets(self, client: str, now: float) -> dict[str, Bucket]:
         if client not in self._clients:
@@ -160,6 +167,10 @@ def _at_most(limits: LimitsConfig, setting: str, value: int, param: str, what: s
 def check_request(limits: LimitsConfig, body: CompletionRequest | ChatRequest) -> None:
     """Refuse the first field of the request that is past its limit."""
     _at_most(limits, "max_n", body.n, "n")
+    prompts = len(prompt_items(body.prompt)) if isinstance(body, CompletionRequest) else 1
+    # Each sequence costs memory and batch slots: prompts x n is the request's share of the server.
+    _at_most(limits, "max_sequences", prompts * body.n, "n" if prompts == 1 else "prompt",
+             f"the number of sequences asked for ({prompts} prompts x n = {body.n})")
     _at_most(limits, "max_stop", len(body.stop), "stop", "the number of stop strings")
     _at_most(limits, "max_stop_length", max(map(len, body.stop), default=0), "stop", "the longest stop string's length")
     _at_most(limits, "max_logit_bias", len(body.logit_bias), "logit_bias", "the number of logit_bias entries")
@@ -207,31 +218,46 @@ class Guard:
 
     def _client(self, scope: Scope) -> str:
         """Who is asking: their key's short hash, or their address when the server has no keys."""
+        address = f"address:{scope['client'][0] if scope.get('client') else 'unknown'}"
         if not self.keys:
-            host = scope["client"][0] if scope.get("client") else "unknown"
-            return f"address:{host}"
+            return address
+        # Wrong keys spend the address's budget, so that keys cannot be guessed at network speed.
+        self.limiter.admit(address, budgets=("wrong_keys",))
         client = self.keys.identify(_header(scope, b"authorization"))
         if client is None:
+            self.limiter.charge(address, 1, "wrong_keys")
             message = "a valid API key is required: send it as 'Authorization: Bearer KEY'"
+            if b"api_key=" in scope.get("query_string", b""):
+                message += " (never in the URL, where logs and proxies keep it)"
             raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return client
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The whole body, refused with a 413 as soon as it is known to be too large; None on disconnect."""
-        limit = self.settings.limits.max_body_bytes
+        """The whole body, refused with a 413 as soon as it is known to be too large, and with a 408 when
+        it has not all arrived within body_timeout_s (a client must not hold a connection by sending
+        nothing); None on disconnect."""
+        limits = self.settings.limits
         declared = _header(scope, b"content-length")
-        if declared is not None and int(declared) > limit:
-            raise _too_large(int(declared), limit)
+        if declared is not None and int(declared) > limits.max_body_bytes:
+            raise _too_large(int(declared), limits.max_body_bytes)
+        deadline = time.monotonic() + limits.body_timeout_s
         # A chunked body (or one longer than declared) is counted as it arrives.
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise APIError(
+                    408, f"the request body did not arrive within {limits.body_timeout_s:g} s "
+                    "(security.limits.body_timeout_s); send the whole body at once",
+                    code="body_timeout", headers={"Connection": "close"},
+                ) from None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
+            if size > limits.max_body_bytes:
+                raise _too_large(size, limits.max_body_bytes)
             chunks.append(chunk)
             if not message.get("more_body"):
                 return b"".join(chunks)

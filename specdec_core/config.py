@@ -101,13 +101,16 @@ class ServerConfig(Section):
     max_queue: int = Field(64, ge=1, description="Requests waiting beyond this get 429")
     max_model_len: int | None = Field(None, description="Context limit; defaults to the model's own")
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
+    drain_listen_s: float = Field(5.0, ge=0, description="On SIGTERM, how long the listener stays open answering 503 (on /health too) so load balancers see the drain; a second signal closes it at once")
 
 
 class LimitsConfig(Section):
     max_body_bytes: int = Field(4 * 2**20, ge=1, description="Largest request body; larger ones get 413 while they arrive")
+    body_timeout_s: float = Field(10.0, gt=0, description="Longest wait for a request's whole body; a slower one gets 408 and its connection closes")
     max_prompt_tokens: int = Field(65536, ge=1, description="Most prompt tokens in one request, all prompts together")
     max_tokens: int = Field(16384, ge=1, description="Largest max_tokens / max_completion_tokens; also caps chat's default")
     max_n: int = Field(16, ge=1, description="Largest n (choices per prompt)")
+    max_sequences: int = Field(64, ge=1, description="Most sequences one request may create: its prompts times n")
     max_stop: int = Field(4, ge=0, description="Most stop strings per request")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters")
     max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries")
@@ -118,6 +121,9 @@ class LimitsConfig(Section):
 
 
 class RateLimitConfig(Section):
+    wrong_keys_per_minute: int | None = Field(
+        30, ge=1, description="Requests with a wrong or missing API key per address per minute before 429s; null: unlimited"
+    )
     requests_per_minute: int | None = Field(
         6000, ge=1, description="Requests per client per minute (a token bucket of this size); null: unlimited"
     )
