@@ -27,8 +27,11 @@ import httpx
 import pytest
 import schemathesis
 import yaml
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
+from tests.test_security import captured_logs
 from tests.test_server import MODEL, NO_EOS, ROOT, error_of, make_config, running, sample
 
 LONG = 1900  # tokens: with NO_EOS, a request that runs until it is cancelled
@@ -104,33 +107,51 @@ def serves(url: str) -> bool:
     return answers(f"{url}/health") and httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
 
 
+BODY_TIMEOUT_S = 1.0
+
+
 @pytest.fixture(scope="module")
 def served():
-    with running(make_config(server={"max_model_len": 256})) as served:
+    config = make_config(server={"max_model_len": 256}, security={"limits": {"body_timeout_s": BODY_TIMEOUT_S}})
+    with running(config) as served:
         yield served
 
 
-# -- fuzzing from the OpenAPI schema -------------------------------------------------------
+class Bystanders:
+    """Long streams, one after another, beside whatever the tests send; each must end normally."""
+
+    BODY = {"model": MODEL, "prompt": "x", "max_tokens": 200, "logit_bias": NO_EOS, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def __init__(self, url: str):
+        self.url = url
+        self.outcomes: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen)
+        self._thread.start()
+        wait_until(lambda: metric(url, "specdec_running_requests") >= 1, "a bystander to run")
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.BODY, timeout=300) as response:
+                events = [line for line in response.iter_lines() if line.startswith("data: ")]
+            usage = json.loads(events[-2][6:]).get("usage") if len(events) > 1 else None
+            ended = events[-1:] == ["data: [DONE]"] and usage and usage["completion_tokens"] == 200
+            self.outcomes.append("complete" if ended else f"broken: {events[-2:]}")
+
+    def finish(self) -> list[str]:
+        """Lets the stream in flight end, then returns every stream's outcome."""
+        self._stop.set()
+        self._thread.join(300)
+        return self.outcomes
 
 
 @pytest.fixture(scope="module")
-def api_schema(served):
-    return schemathesis.openapi.from_url(f"{served.url}/openapi.json")
-
-
-schema = schemathesis.pytest.from_fixture("api_schema")
-
-
-@schema.parametrize()
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(case, served):
-    # Generated bodies rarely name the served model; a third of them do, so generation runs too.
-    if isinstance(case.body, dict) and zlib.crc32(json.dumps(case.body, sort_keys=True, default=str).encode()) % 3 == 0:
-        case.body["model"] = MODEL
-    response = case.call(timeout=120)
-    assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
-    if response.status_code >= 400:
-        assert error_of(response)["message"]
+def bystanders(served) -> Iterator[Bystanders]:
+    """Streams running through all the fuzzing and bad-input tests; checked at the end of them."""
+    running_streams = Bystanders(served.url)
+    yield running_streams
+    running_streams.finish()
 
 
 # -- overload ------------------------------------------------------------------------------
@@ -175,6 +196,29 @@ def test_overload_gets_completions_or_429s_and_the_server_recovers(tmp_path):
     assert outcomes["200"] >= 10 and outcomes["429"] > 0, outcomes  # the queue did overflow; work still got done
     # A second burst like the first must not grow the process: nothing of the requests is kept.
     assert after - baseline < 0.1 * baseline, (baseline, after)
+
+
+def test_a_request_of_many_sequences_shares_the_batch_with_later_ones(served):
+    slots = served.app.state.scheduler.settings.max_batch_size
+    many = {"model": MODEL, "prompt": ["a"] * 64, "max_tokens": 30, "logit_bias": NO_EOS, "stream": True}
+    finished_at: list[float] = []
+
+    def stream_many() -> None:
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=many, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"]:
+                    finished_at.append(time.monotonic())
+
+    thread = threading.Thread(target=stream_many)
+    thread.start()
+    wait_until(lambda: metric(served.url, "specdec_running_requests") == 1, "the many sequences to run")
+    small = httpx.post(f"{served.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=300)
+    small_done = time.monotonic()
+    thread.join(300)
+    assert small.status_code == 200 and len(finished_at) == 64
+    # The small request took the first slot that came free: only the first batch of the many was done by then
+    # (oldest-first admission would have run 56 of them before it).
+    assert sum(at < small_done for at in finished_at) <= slots, (slots, sorted(finished_at), small_done)
 
 
 # -- disconnects ---------------------------------------------------------------------------
@@ -245,6 +289,53 @@ def test_sigterm_during_traffic_answers_every_request_and_exits_cleanly(tmp_path
     assert counts["shutdown"] > 0 and counts["complete"] + counts["shutdown"] >= 4, counts
 
 
+def test_a_draining_server_answers_503_before_it_stops_listening(tmp_path):
+    with serve_subprocess(tmp_path, drain_listen_s=5) as (proc, url):
+        assert httpx.get(f"{url}/v1/models?api_key=sk-in-the-url-7f3a").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, "health to say 503")  # no ConnectError
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and error_of(refused)["code"] == "unavailable"
+        assert proc.wait(120) == 0
+    log = (tmp_path / "server.log").read_text()
+    assert "/v1/models?[query redacted]" in log and "sk-in-the-url-7f3a" not in log
+
+
+# -- fuzzing from the OpenAPI schema -------------------------------------------------------
+
+FUZZ_REQUESTS = 1000
+
+
+def names_the_model(body: dict) -> bool:
+    """Four bodies in five (by a hash of the body, so a run reproduces): generated bodies rarely
+    name the served model, and only those that do get past it into decoding."""
+    return zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()) % 5 != 0
+
+
+def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(served, bystanders):
+    # Hypothesis drives schemathesis' strategies directly: its pytest plugin breaks on pytest 9.
+    schema = schemathesis.openapi.from_url(f"{served.url}/openapi.json")
+    cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+    statuses: Counter = Counter()
+
+    @given(case=cases)
+    @settings(max_examples=FUZZ_REQUESTS, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])
+    def check(case) -> None:
+        if isinstance(case.body, dict) and names_the_model(case.body):
+            case.body["model"] = MODEL
+        response = case.call(timeout=120)
+        statuses[response.status_code] += 1
+        assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
+        if response.status_code >= 400:
+            assert error_of(response)["message"]
+
+    check()
+    print(f"\nfuzzing: {sum(statuses.values())} requests, by status {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) >= FUZZ_REQUESTS
+    assert statuses[200] >= FUZZ_REQUESTS // 10, statuses  # a good share got through to decoding
+
+
 # -- bad input -----------------------------------------------------------------------------
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -283,35 +374,25 @@ BAD = {
     "seed out of range": (as_json(COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": 2**64}), "seed"),
     "stop of the wrong type": (as_json(COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 5}), "stop"),
     "model missing": (as_json(CHAT, {"messages": HELLO}), "model"),
+    "no body": (raw(COMPLETIONS, b""), "body"),
+    "lone surrogate": (raw(COMPLETIONS, b'{"model": "tiny-random-llama", "prompt": "a\\ud800"}'), "prompt"),
+    "lone surrogate in a list": (raw(COMPLETIONS, b'{"model": "tiny-random-llama", "prompt": ["a", "b\\udfff"]}'), "prompt"),
+    "lone surrogate with echo": (
+        raw(COMPLETIONS, b'{"model": "tiny-random-llama", "prompt": "a\\ud800", "echo": true}'), "prompt"),
+    "lone surrogate in chat": (
+        raw(CHAT, b'{"model": "tiny-random-llama", "messages": [{"role": "user", "content": "\\ud800"}]}'), "messages"),
+    "logit_bias key a superscript digit": (as_json(COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"\u00b2": 1}}), "logit_bias"),
+    "logit_bias key of 5000 digits": (as_json(COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"9" * 5000: 1}}), "logit_bias"),
+    "max_tokens a numeric string": (as_json(COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": "8"}), "max_tokens"),
+    "booleans as token ids": (as_json(COMPLETIONS, {"model": MODEL, "prompt": [[False, True]]}), "prompt"),
+    "n a float": (as_json(COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2.0}), "n"),
+    "65536 prompts x 16": (as_json(COMPLETIONS, {"model": MODEL, "prompt": ["a"] * 65536, "n": 16, "max_tokens": 1}), "max_sequences"),
+    "1000 prompts x 16": (as_json(COMPLETIONS, {"model": MODEL, "prompt": ["a"] * 1000, "n": 16, "max_tokens": 1}), "max_sequences"),
 }
 
 
-@pytest.fixture(scope="module")
-def bystander(served) -> Iterator[Callable[[], dict]]:
-    """A stream that runs through all the bad-input tests; calling it gives its outcome once it ends."""
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "logit_bias": NO_EOS, "stream": True,
-            "stream_options": {"include_usage": True}}
-    result: dict = {}
-
-    def listen() -> None:
-        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=300) as response:
-            events = [line for line in response.iter_lines() if line.startswith("data: ")]
-        result.update(last=events[-1], usage=json.loads(events[-2][6:])["usage"])
-
-    thread = threading.Thread(target=listen)
-    thread.start()
-    wait_until(lambda: metric(served.url, "specdec_running_requests") >= 1, "the bystander to run")
-
-    def outcome() -> dict:
-        thread.join(300)
-        return result
-
-    yield outcome
-    thread.join(300)
-
-
 @pytest.mark.parametrize("request_, clue", BAD.values(), ids=BAD.keys())
-def test_bad_input_gets_a_useful_4xx(served, bystander, request_, clue):
+def test_bad_input_gets_a_useful_4xx(served, bystanders, request_, clue):
     path, content, content_type = request_
     response = httpx.post(f"{served.url}{path}", content=content, headers={"content-type": content_type}, timeout=120)
     assert 400 <= response.status_code < 500, response.text[:500]
@@ -320,7 +401,121 @@ def test_bad_input_gets_a_useful_4xx(served, bystander, request_, clue):
     assert error["param"] == clue or clue.lower() in error["message"].lower(), error
 
 
-def test_bad_input_disturbed_nothing(served, bystander):
-    result = bystander()
-    assert result["last"] == "data: [DONE]" and result["usage"]["completion_tokens"] == 200
+def test_a_temperature_too_small_to_divide_by_is_greedy(served, bystanders):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "logit_bias": NO_EOS}
+    greedy = httpx.post(f"{served.url}/v1/completions", json=body | {"temperature": 0}, timeout=120)
+    for temperature in (1e-40, 1e-38, 1e-6):
+        tiny = httpx.post(f"{served.url}/v1/completions", json=body | {"temperature": temperature}, timeout=120)
+        assert tiny.status_code == 200, tiny.text[:500]
+        assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_a_row_that_fails_in_decoding_fails_its_request_alone(served, bystanders, monkeypatch):
+    engine = served.app.state.scheduler.engine
+    verify = engine._verify
+
+    def failing(seq, *args):  # stands in for a numerical failure in one row: its sampling raises
+        if seq.params.seed == 424242:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return verify(seq, *args)
+
+    monkeypatch.setattr(engine, "_verify", failing)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "logit_bias": NO_EOS, "temperature": 1}
+    doomed = httpx.post(f"{served.url}/v1/completions", json=body | {"seed": 424242}, timeout=120)
+    assert doomed.status_code == 500
+    error = error_of(doomed)
+    assert error["type"] == "server_error" and "incident" in error["message"]
+    assert "probability" not in doomed.text and "RuntimeError" not in doomed.text  # the cause is in the log only
+    assert httpx.post(f"{served.url}/v1/completions", json=body | {"seed": 7}, timeout=120).status_code == 200
+
+
+def raw_exchange(url: str, request: bytes, wait_s: float = 30.0) -> bytes:
+    """Send bytes as they are (no client would send these) and read until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def json_of(response: bytes) -> dict:
+    return json.loads(response.split(b"\r\n\r\n", 1)[1])
+
+
+def requests_total(url: str, endpoint: str, status: int) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    name = f'specdec_requests_total{{endpoint="{endpoint}",status="{status}"}}'
+    return sample(text, name) if name + " " in text else 0.0
+
+
+def test_a_wrong_method_gets_405_with_allow(served, bystanders):
+    response = httpx.get(f"{served.url}{COMPLETIONS}")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert error_of(response)["type"] == "invalid_request_error"
+
+
+def test_openapi_documents_the_answers_the_server_gives(served, bystanders):
+    spec = httpx.get(f"{served.url}/openapi.json").json()
+    for path in (COMPLETIONS, CHAT):
+        answers_ = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(answers_) and "422" not in answers_
+        assert answers_["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    # What the schema allows, the server takes: top_logprobs 0 needs no logprobs.
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 2, "top_logprobs": 0}
+    assert httpx.post(f"{served.url}{CHAT}", json=body, timeout=120).status_code == 200
+
+
+def test_a_malformed_content_length_gets_an_openai_shaped_400(served, bystanders):
+    response = raw_exchange(served.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n{}")
+    assert response.startswith(b"HTTP/1.1 400") and b"application/json" in response
+    assert "Content-Length" in json_of(response)["error"]["message"]
+
+
+def test_a_body_that_does_not_arrive_gets_a_408_and_the_connection_closes(served, bystanders):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    response = raw_exchange(served.url, head + b"{}")  # returns only once the server has closed the connection
+    assert response.startswith(b"HTTP/1.1 408")
+    assert json_of(response)["error"]["code"] == "body_timeout"
+
+
+def test_a_client_that_leaves_counts_499_and_logs_nothing(served, bystanders):
+    before = requests_total(served.url, COMPLETIONS, 499), requests_total(served.url, COMPLETIONS, 500)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "logit_bias": NO_EOS}
+    with captured_logs() as lines:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while its completion is decoding
+            httpx.post(f"{served.url}{COMPLETIONS}", json=body, timeout=httpx.Timeout(30, read=0.2))
+        # Headers and part of the body, then gone: the guard drops it, and it is counted too.
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+        with socket.create_connection(("127.0.0.1", served.port)) as sock:
+            sock.sendall(head)
+        wait_until(lambda: requests_total(served.url, COMPLETIONS, 499) >= before[0] + 2, "both 499s to be counted")
+    assert requests_total(served.url, COMPLETIONS, 500) == before[1]
+    assert not [line for line in lines if "Error" in line or "Traceback" in line], lines
+
+
+def test_an_unexpected_failure_is_a_500_without_internals_and_is_counted(served, bystanders, monkeypatch):
+    before = requests_total(served.url, COMPLETIONS, 500)
+    scheduler = served.app.state.scheduler
+    submit = scheduler.submit
+
+    def broken(job) -> None:  # for this request only: the bystanders keep being served
+        if job.choices[0].seq.params.seed == 8118:
+            raise KeyError("internal detail 8d1f")
+        submit(job)
+
+    monkeypatch.setattr(scheduler, "submit", broken)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "seed": 8118}
+    response = httpx.post(f"{served.url}{COMPLETIONS}", json=body)
+    assert response.status_code == 500 and error_of(response)["code"] == "internal_error"
+    assert "8d1f" not in response.text and "KeyError" not in response.text
+    assert requests_total(served.url, COMPLETIONS, 500) == before + 1
+
+
+def test_bad_input_disturbed_nothing(served, bystanders):
+    outcomes = bystanders.finish()
+    assert outcomes and set(outcomes) == {"complete"}, Counter(outcomes)
     assert serves(served.url)

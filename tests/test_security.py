@@ -200,6 +200,8 @@ def test_no_key_material_in_logs_or_metrics(guarded):
         list(api.chat.completions.create(model=MODEL, messages=[USER], max_tokens=3, stream=True))
         with pytest.raises(openai.AuthenticationError):
             client(guarded, WRONG_KEY).models.list()
+        in_url = httpx.get(f"{guarded.url}/v1/models?api_key={KEY_D}")  # the access log drops the query
+        assert in_url.status_code == 401 and "never in the URL" in error_of(in_url)["message"]
         with pytest.raises(openai.RateLimitError):
             for _ in range(3):
                 api.models.list()
@@ -208,6 +210,20 @@ def test_no_key_material_in_logs_or_metrics(guarded):
     for key in (KEY_A, KEY_B, KEY_C, KEY_D, WRONG_KEY):
         assert not [line for line in lines if key in line]
         assert key not in metrics
+
+
+def test_wrong_keys_are_rate_limited_per_address(guarded):
+    budget = Config().security.rate_limit.wrong_keys_per_minute
+    statuses = [httpx.get(f"{guarded.url}/v1/models", headers=bearer(WRONG_KEY)).status_code for _ in range(budget + 1)]
+    assert statuses == [401] * budget + [429]
+    # Once the guesses are spent the address waits, whatever key it sends: a right guess is not told apart.
+    refused = httpx.get(f"{guarded.url}/v1/models", headers=bearer(KEY_A))
+    assert refused.status_code == 429 and error_of(refused)["code"] == "rate_limit_exceeded"
+    assert "wrong_keys_per_minute" in error_of(refused)["message"] and int(refused.headers["retry-after"]) > 0
+    guarded.app.state.limiter.clock.now += 60
+    assert httpx.get(f"{guarded.url}/v1/models", headers=bearer(KEY_A)).status_code == 200
+    metrics = httpx.get(f"{guarded.url}/metrics", headers=bearer(KEY_B)).text
+    assert sample(metrics, 'specdec_rate_limited_total{reason="wrong_keys"}') >= 2  # the two 429s at least
 
 
 def test_cors_is_off_by_default(guarded):

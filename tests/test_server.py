@@ -21,11 +21,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from server.app import DrainingServer, create_app
+from server.app import DrainingServer, create_app, server_config
 from specdec_core.build import build_engine
 from specdec_core.config import Config
 from specdec_core.sampling import SamplingParams
@@ -75,7 +74,7 @@ def running(config: Config, wait_ready: bool = True) -> Iterator[Served]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = DrainingServer(uvicorn.Config(app, log_level="warning"), app.state.scheduler)
+    server = DrainingServer(server_config(app, config.server, log_level="warning"), app.state.scheduler)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -370,7 +369,9 @@ def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(served, m
     monkeypatch.setattr(engine, "step", failing_step)
     with pytest.raises(openai.InternalServerError) as caught:
         served.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
-    assert "injected step failure" in caught.value.body["message"] and caught.value.body["type"] == "server_error"
+    error = caught.value.body
+    assert error["type"] == "server_error" and error["code"] == "internal_error" and "incident" in error["message"]
+    assert "injected" not in error["message"]  # the cause is logged, never sent
     assert served.client.completions.create(model=MODEL, prompt="x", max_tokens=4).choices[0].finish_reason
 
 
@@ -383,8 +384,9 @@ def test_a_failed_prefill_fails_only_its_request(served, monkeypatch):
         raise RuntimeError("injected prefill failure")
 
     monkeypatch.setattr(drafter, "add", failing_add)
-    with pytest.raises(openai.InternalServerError, match="injected prefill failure"):
+    with pytest.raises(openai.InternalServerError, match="prefill of .* failed") as caught:
         served.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert "injected" not in caught.value.body["message"]
     assert served.client.completions.create(model=MODEL, prompt="x", max_tokens=4).choices[0].finish_reason
 
 
