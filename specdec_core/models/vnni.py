@@ -56,7 +56,11 @@ def extension():
     # rebuilds it when the source changes, and skips the build (quietly) when it has not.
     build_dir = cache_dir() / "kernels" / f"vnni-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    log.info("quantize: loading the AVX-512 VNNI kernel from %s (built once per machine, about a minute)", build_dir)
+    built = build_dir / "specdec_vnni.so"
+    if built.exists() and built.stat().st_mtime >= SOURCE.stat().st_mtime:
+        log.info("quantize: loading the AVX-512 VNNI kernel built in %s", build_dir)
+    else:
+        log.info("quantize: building the AVX-512 VNNI kernel in %s (once per machine, about a minute)", build_dir)
     try:
         return load(name="specdec_vnni", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir))
