@@ -194,8 +194,8 @@ class Scheduler:
         try:
             engine = self._load()
         except Exception as exc:
-            log.exception("loading the models failed")
-            self.error, self.state = f"{type(exc).__name__}: {exc}", "failed"
+            # /health tells that it failed and where to look; the cause is in the log, as for any 5xx.
+            self.error, self.state = internal_error("loading the models failed", exc).message, "failed"
             if self.on_load_error:
                 self.on_load_error()
             return

@@ -145,11 +145,15 @@ def test_health_is_503_while_the_models_load(monkeypatch):
         gate.set()
 
 
-def test_a_failed_load_is_reported_by_health():
+def test_a_failed_load_is_reported_by_health(caplog):
     with running(make_config(speculation={"draft_model": None}), wait_ready=False) as served:
         served.wait_until(lambda: served.app.state.scheduler.state == "failed", "the load to fail")
         response = httpx.get(f"{served.url}/health")
-        assert response.status_code == 503 and "draft_model" in response.json()["error"]
+    error = response.json()["error"]
+    assert response.status_code == 503 and "loading the models failed" in error and "draft_model" not in error
+    incident = error.rsplit(" ", 1)[-1]
+    logged = [record for record in caplog.records if incident in record.getMessage()]
+    assert logged and "draft_model" in str(logged[0].exc_info[1])  # the cause, in the log under that incident
 
 
 # -- completions ------------------------------------------------------------------
