@@ -231,7 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config: the target, dtype and speculation settings")
     parser.add_argument("--drafters", help="measure these instead of calibrating: comma-separated name[:key=value...], "
                         "keys under speculation, e.g. layer-skip:layer_skip.k=20:vocab_size=32768:gamma=3")
-    parser.add_argument("--num-prompts", type=int, default=4, help="Spec-Bench prompts, one per category in file order")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with a 'prompt' or 'turns' field per line (default: Spec-Bench's question.jsonl)")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts, one per category in file order")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top", type=int, default=2, help="calibration: how many of the best predicted k to measure")
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         config.model.threads = args.threads
     target = load_runner(config.model.target, config.model)
-    prompts = [encode(target.tokenizer, p.text) for p in stratified(load_prompts(DEFAULT_PROMPTS), args.num_prompts)]
+    prompts = [encode(target.tokenizer, p.text) for p in stratified(load_prompts(args.prompts), args.num_prompts)]
     if args.drafters:
         specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
         engines = {PLAIN: build_engine(config, drafter="none", target=target)}

@@ -1,5 +1,6 @@
 """Shared fixtures."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,3 +12,13 @@ def smollm2_dir() -> Path:
     from specdec_core.models.registry import pull
 
     return pull("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory) -> Path:
+    """A small prompts file in Spec-Bench's shape, so that commands under test need no checkout of shared/."""
+    path = tmp_path_factory.mktemp("prompts") / "question.jsonl"
+    questions = [("coding", "Write a Python function that reverses a string."), ("writing", "Describe a quiet morning.")]
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [q]}) + "\n"
+                            for i, (c, q) in enumerate(questions)))
+    return path

@@ -76,9 +76,9 @@ def test_plain_generate_with_a_seed_is_reproducible(capsys):
     assert first == second != third
 
 
-def test_calibrate_measures_drafters_against_plain_decoding(capsys):
+def test_calibrate_measures_drafters_against_plain_decoding(capsys, prompts_file):
     code, out, _ = run(capsys, "calibrate", "--config", TINY_CONFIG, "--drafters", "ngram,layer-skip:gamma=2",
-                       "--num-prompts", "1", "--max-tokens", "4", "--threads", "1")
+                       "--num-prompts", "1", "--max-tokens", "4", "--threads", "1", "--prompts", str(prompts_file))
     assert code == 0
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
     assert set(rows) == {"plain", "ngram", "layer-skip:gamma=2"}

@@ -56,20 +56,20 @@ def fake_tools(directory: Path) -> Path:
     return directory
 
 
-def bench(tmp_path, monkeypatch, config: str, tools: Path) -> list[str]:
+def bench(tmp_path, monkeypatch, config: str, tools: Path, prompts: Path) -> list[str]:
     out = tmp_path / "out"
     argv = ["bench", "--config", config, "--drafters", "plain", "--num-prompts", "1", "--max-tokens", "4",
-            "--threads", "1", "--llama-cpp", str(tools), "--out", str(out)]
+            "--threads", "1", "--llama-cpp", str(tools), "--out", str(out), "--prompts", str(prompts)]
     monkeypatch.setattr(sys, "argv", ["specdec", *argv])
     assert main(argv) == 0
     return json.loads((out / "results.json").read_text())["records"]
 
 
-def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_dir):
+def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_dir, prompts_file):
     config = tmp_path / "smollm2-with-draft.yaml"
     # The GGUF of the target stands in as its own draft: the rows' plumbing is under test, not the pair.
     config.write_text(Path("configs/smollm2.yaml").read_text().replace("  gamma_max: 5", "  gamma_max: 5\n  draft_model: smollm2-135m"))
-    records = bench(tmp_path, monkeypatch, str(config), fake_tools(tmp_path / "tools"))
+    records = bench(tmp_path, monkeypatch, str(config), fake_tools(tmp_path / "tools"), prompts_file)
     rows = {r["method"]: r for r in records if r["category"] == "all"}
     assert {"plain", "llama.cpp", "llama.cpp-speculative"} <= set(rows)
     # The tools' own clock: 4 tokens of text over their prefill plus decode seconds.
@@ -77,6 +77,6 @@ def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_d
     assert rows["llama.cpp-speculative"]["acceptance_rate"] == pytest.approx(21 / 30)
 
 
-def test_bench_llama_cpp_needs_registry_models(tmp_path, monkeypatch):
+def test_bench_llama_cpp_needs_registry_models(tmp_path, monkeypatch, prompts_file):
     with pytest.raises(SystemExit, match="needs registry models"):
-        bench(tmp_path, monkeypatch, "configs/tiny-random.yaml", fake_tools(tmp_path / "tools"))
+        bench(tmp_path, monkeypatch, "configs/tiny-random.yaml", fake_tools(tmp_path / "tools"), prompts_file)
