@@ -129,19 +129,25 @@ def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[in
 # -- the cost of a pass of k tokens against one token ---------------------------------------------
 
 
+KERNEL_PATHS = ("vnni", "amx", "dequantize")
+
+
 @contextlib.contextmanager
 def kernel_path(path: str) -> Iterator[None]:
-    """Passes under vnni.DEQUANTIZE_ROWS on `path`: "amx" (from vnni.AMX_MIN_ROWS rows, as served) or "vnni" (all)."""
-    saved = vnni.AMX_MIN_ROWS
-    vnni.AMX_MIN_ROWS = saved if path == "amx" else vnni.DEQUANTIZE_ROWS
+    """Passes of several rows, of any length, on `path`: "amx" (tiles from vnni.AMX_MIN_ROWS rows),
+    "vnni" (vpdpbusd) or "dequantize" (bf16 weights, torch's matmul); one-row passes stay on VNNI,
+    the baseline of each path. Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
+    saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS
+    vnni.AMX_MIN_ROWS = saved[0] if path == "amx" else 10**9
+    vnni.DEQUANTIZE_ROWS = 2 if path == "dequantize" else 10**9
     try:
         yield
     finally:
-        vnni.AMX_MIN_ROWS = saved
+        vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS = saved
 
 
-def kernel_paths() -> list[str]:
-    return ["vnni", "amx"] if vnni.amx() else ["vnni"]
+def kernel_paths(wanted: list[str]) -> list[str]:
+    return [path for path in wanted if path != "amx" or vnni.amx()]
 
 
 def _on_path(path: str, measure: Callable[[], float]) -> Callable[[], float]:
@@ -153,13 +159,13 @@ def _on_path(path: str, measure: Callable[[], float]) -> Callable[[], float]:
 
 
 @torch.no_grad()
-def bench_layer_passes(shapes: list[tuple[str, int, int]], tokens: list[int], rounds: int, seconds: float,
+def bench_layer_passes(shapes: list[tuple[str, int, int]], tokens: list[int], paths: list[str], rounds: int, seconds: float,
                        working_set: int) -> dict[str, dict[str, dict[int, list[float]]]]:
     """ms per call of our kernel's layers at each pass length and path, interleaved; prints the table of
     medians and of each pass's cost over the one-token pass of the same path and round. The body's
     layers are int4, the output layer int8 (as served)."""
     print(f"machine: {machine_line()}; each variant cycles through {working_set / 1e6:.0f} MB of copies\n")
-    paths, results = kernel_paths(), {}
+    results = {}
     print("| layer (out x in) | weights | tokens | " + " | ".join(f"{p} ms (x 1 token)" for p in paths) + " |")
     print("|---" * (3 + len(paths)) + "|")
     for name, out_features, in_features in shapes:
@@ -208,7 +214,8 @@ class SectionTimer:
 
 
 @torch.no_grad()
-def bench_model_passes(model: str, context: int, tokens: list[int], rounds: int, passes: int) -> dict[str, dict[int, list[dict[str, float]]]]:
+def bench_model_passes(model: str, context: int, tokens: list[int], paths: list[str], rounds: int,
+                       passes: int) -> dict[str, dict[int, list[dict[str, float]]]]:
     """A forward pass over k new tokens against a cache of `context` tokens (batch 1, all k logits, then
     their argmax), against a one-token pass: ms per pass, split into the quantized linear layers, the
     output layer, the argmax and the rest (attention over the cache, norms, rotary, masks, Python).
@@ -242,7 +249,6 @@ def bench_model_passes(model: str, context: int, tokens: list[int], rounds: int,
 
         return median_pass
 
-    paths = kernel_paths()
     for path in paths:
         with kernel_path(path):
             for k in tokens:
@@ -271,7 +277,7 @@ def plot_pass_costs(layers: dict, model: dict, tokens: list[int], title: str, pa
         return [statistics.median(value(t) / value(one) for t, one in zip(per_k[k], per_k[tokens[0]])) for k in tokens]
 
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, key in zip(axes, ["vnni", "amx"]):
+    for ax, key in zip(axes, ["vnni", "amx"]):  # (a dequantize path, if measured, is in the tables)
         for name, per_path in layers.items():
             if key in per_path:
                 ax.plot(tokens, curve(per_path[key], float), marker=".", label=name)
@@ -286,10 +292,11 @@ def plot_pass_costs(layers: dict, model: dict, tokens: list[int], title: str, pa
     figure.savefig(path, dpi=110)
 
 
-def bench_pass_cost(model: str | None, shapes: list[tuple[str, int, int]], tokens: list[int], rounds: int, seconds: float,
-                    working_set: int, context: int, passes: int, out: Path | None, plot: Path | None) -> None:
-    layers = bench_layer_passes(shapes, tokens, rounds, seconds, working_set) if shapes else {}
-    whole = bench_model_passes(model, context, tokens, rounds, passes) if model else {}
+def bench_pass_cost(model: str | None, shapes: list[tuple[str, int, int]], tokens: list[int], paths: list[str], rounds: int,
+                    seconds: float, working_set: int, context: int, passes: int, out: Path | None, plot: Path | None) -> None:
+    paths = kernel_paths(paths)
+    layers = bench_layer_passes(shapes, tokens, paths, rounds, seconds, working_set) if shapes else {}
+    whole = bench_model_passes(model, context, tokens, paths, rounds, passes) if model else {}
     if out:
         out.write_text(json.dumps({"machine": machine_line(), "tokens": tokens, "layers": layers, "model": whole}))
     if plot:
@@ -456,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     passes.add_argument("--model", default="qwen2.5-coder-1.5b", help="'' for the layers alone")
     passes.add_argument("--shapes", type=parse_shape, nargs="*", default=QWEN_1_5B_LAYERS, help="OUTxIN or layer names; none: the model alone")
     passes.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    passes.add_argument("--paths", nargs="+", choices=KERNEL_PATHS, default=["vnni", "amx"], help="amx only where it runs")
     passes.add_argument("--rounds", type=int, default=3)
     passes.add_argument("--seconds", type=float, default=0.5, help="per layer variant per round")
     passes.add_argument("--working-set-mb", type=int, default=1024, help="bytes each layer variant cycles through")
@@ -479,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "layers":
         bench_layers(args.tokens, args.rounds, args.seconds, args.groups, args.working_set_mb * 10**6)
     elif args.command == "pass-cost":
-        bench_pass_cost(args.model, args.shapes, args.tokens, args.rounds, args.seconds, args.working_set_mb * 10**6,
+        bench_pass_cost(args.model, args.shapes, args.tokens, args.paths, args.rounds, args.seconds, args.working_set_mb * 10**6,
                         args.context, args.passes, args.json, args.plot)
     elif args.command == "decode":
         bench_decode(args.model, args.variants, args.rounds, args.max_tokens)
