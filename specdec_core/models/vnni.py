@@ -4,9 +4,9 @@ on AVX-512 VNNI, and on AMX-INT8 tiles for passes of several rows.
 torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
 in floats too; this one multiplies integer codes, as llama.cpp does: a one-token pass with
 `vpdpbusd`, a pass of AMX_MIN_ROWS to DEQUANTIZE_ROWS - 1 rows (verification, short prefills) with
-`tdpbsud` on AMX tiles where the CPU has them, whose cost grows far more slowly with the rows than
-`vpdpbusd`'s (a VNNI pass of 6 rows costs about twice one row's; docs/QUANT.md has the per-layer
-costs). Both paths compute bit-identical results, so a row's result never depends on the pass.
+`tdpbsud` on AMX tiles where the CPU has them, which leaves a quarter of VNNI's per-row instructions
+(the float epilogue; a VNNI pass of 6 rows costs about twice one row's; docs/QUANT.md has the
+per-layer costs, and says what of the AMX path is still unmeasured). Both paths compute bit-identical results, so a row's result never depends on the pass.
 Weights are group-wise, w = q * scale + min per 32 inputs. It is compiled once per machine with
 torch's extension builder (g++ and ninja; about a minute) and used where the CPU has the
 instructions; elsewhere `quant.Int4Linear` / `quant.Int8Linear` keep torch's kernels.
@@ -36,7 +36,8 @@ COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-m
 # the CPU's matrix units beats the VNNI dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
 # against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). Not yet measured against the AMX path.
 DEQUANTIZE_ROWS = 128
-# From this many rows a pass runs on AMX tiles where it can (one-token decode stays on VNNI).
+# From this many rows a pass runs on AMX tiles where it can (one-token decode stays on VNNI); not
+# yet measured: VNNI may still win at 2-3 rows (docs/QUANT.md).
 AMX_MIN_ROWS = 2
 SOURCE = Path(__file__).with_name("vnni.cpp")
 
