@@ -99,14 +99,119 @@ def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str)
 @needs_vnni
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
 def test_vnni_rows_do_not_depend_on_the_pass(precision: str):
-    """A row's result is the same in a pass of one row or of many: a verify pass over several tokens
-    computes exactly what the single-token steps of plain decoding compute."""
+    """A row's result is the same in a pass of one row or of many, on VNNI (one row) or AMX tiles (from
+    vnni.AMX_MIN_ROWS, where the CPU has them): a verify pass over several tokens computes exactly
+    what the single-token steps of plain decoding compute."""
     torch.manual_seed(4)
     layer = VnniLinear.from_linear(nn.Linear(512, 64, bias=False, dtype=torch.bfloat16), precision)
     x = torch.randn(vnni.DEQUANTIZE_ROWS - 1, 512, dtype=torch.bfloat16)
     together = layer(x)
-    for rows in (slice(0, 1), slice(5, 7), slice(9, 14), slice(0, None)):
+    for rows in (slice(0, 1), slice(5, 7), slice(9, 14), slice(3, 19), slice(40, 104), slice(0, None)):
         assert torch.equal(layer(x[rows]), together[rows])
+
+
+needs_amx = pytest.mark.skipif(not vnni.amx(), reason=f"no AMX path here: {vnni.amx_missing()}")
+AMX_ROWS = [2, 3, 8, 15, 16, 17, 31, 48, 64]
+
+
+def packed_layer(precision: str, out_features: int, in_features: int, seed: int) -> VnniLinear:
+    torch.manual_seed(seed)
+    return VnniLinear.from_linear(nn.Linear(in_features, out_features, bias=False), precision)
+
+
+def reference_group_sums(layer: VnniLinear, x: torch.Tensor) -> torch.Tensor:
+    """The int32 sums [M, K/32, N] from the quantization math in torch: x's codes round(x * 127 / amax)
+    per 32 inputs in float32, as the kernel rounds them, times the weights' codes, exactly (int64)."""
+    n, k = layer.out_features, layer.in_features
+    operands = layer.packed.view(n // 16, k // 32, -1, 64)
+    if layer.precision == "int4":  # chunk c holds operand 2c in its low nibbles, 2c + 1 in its high
+        operands = torch.stack([operands & 15, operands >> 4], dim=3).flatten(2, 3)
+    # operands [N/16, K/32, 8, 64]: byte 4r + j of operand i is row r's code for input 4i + j.
+    q = operands.view(n // 16, k // 32, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 32, 32).long()
+    groups = x.float().reshape(x.shape[0], k // 32, 32)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inverse).long()
+    return torch.einsum("mgi,ngi->mgn", codes, q)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", AMX_ROWS)
+@pytest.mark.parametrize("precision", quant.QUANTIZED)
+def test_amx_group_sums_equal_vnni_and_the_reference(precision: str, rows: int):
+    layer = packed_layer(precision, 48, 320, seed=5)
+    x = torch.randn(rows, 320)
+    amx_sums = vnni.group_sums(x, layer.packed, layer.scale_min, tiles=True)
+    assert torch.equal(amx_sums, vnni.group_sums(x, layer.packed, layer.scale_min, tiles=False))
+    assert torch.equal(amx_sums.long(), reference_group_sums(layer, x))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", AMX_ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("precision", quant.QUANTIZED)
+def test_amx_outputs_equal_vnni_outputs(precision: str, dtype: str, rows: int):
+    torch.manual_seed(6)
+    linear = nn.Linear(352, 64, bias=False, dtype=DTYPES[dtype])
+    layer = VnniLinear.from_linear(linear, precision)
+    x = torch.randn(rows, 352, dtype=DTYPES[dtype])
+    on_tiles = vnni.extension().vnni_mm(x, layer.packed, layer.scale_min, True)
+    assert torch.equal(on_tiles, vnni.extension().vnni_mm(x, layer.packed, layer.scale_min, False))
+    assert torch.equal(layer(x), on_tiles)  # what a layer computes at this many rows
+    reference = vnni_reference(linear, precision, x, quantize_x=True)
+    tolerance = 1e-5 if dtype == "fp32" else 1e-2
+    assert (on_tiles.double() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+class PathSpy:
+    """The kernel, recording which path each vnni_mm call asked for."""
+
+    def __init__(self, kernel):
+        self.kernel, self.tiles = kernel, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def vnni_mm(self, x, packed, scale_min, tiles):
+        self.tiles.append(tiles)
+        return self.kernel.vnni_mm(x, packed, scale_min, tiles)
+
+
+@needs_vnni
+@pytest.mark.parametrize("cause", ["environment", "no cpu flags", "permission refused"])
+def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatch, caplog):
+    spy = PathSpy(vnni.extension())
+    monkeypatch.setattr(vnni, "extension", lambda: spy)
+    monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS) | set(vnni.AMX_FLAGS))
+    if cause == "environment":
+        monkeypatch.setenv(vnni.AMX_ENV, "0")
+    elif cause == "no cpu flags":
+        monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS))
+    else:
+        monkeypatch.setattr(spy, "amx_enable", lambda: False, raising=False)
+    vnni.amx_missing.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="specdec"):
+            assert not vnni.amx()
+        layer = packed_layer("int4", 32, 64, seed=7)
+        x = torch.randn(6, 64)
+        together = layer(x)
+        assert spy.tiles == [False]
+        assert torch.equal(layer(x[2:3]), together[2:3])
+        reason = {"environment": "SPECDEC_AMX=0", "no cpu flags": "lacks amx_tile, amx_int8", "permission refused": "refused"}[cause]
+        assert reason in caplog.text and "on AVX-512 VNNI" in caplog.text
+    finally:  # the next call, after monkeypatch's undoing, sees this machine again
+        vnni.amx_missing.cache_clear()
+
+
+@needs_amx
+def test_amx_takes_passes_from_amx_min_rows(monkeypatch):
+    spy = PathSpy(vnni.extension())
+    monkeypatch.setattr(vnni, "extension", lambda: spy)
+    layer = packed_layer("int8", 32, 64, seed=8)
+    for rows in (1, vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS - 1, vnni.DEQUANTIZE_ROWS):
+        layer(torch.randn(rows, 64))
+    assert spy.tiles == [False, True, True]  # the last pass dequantizes instead
 
 
 @needs_vnni

@@ -1,4 +1,4 @@
-"""Measurements behind docs/QUANT.md: `python -m specdec_core.models.quant_bench {layers,decode,quality}`.
+"""Measurements behind docs/QUANT.md: `python -m specdec_core.models.quant_bench {layers,pass-cost,decode,quality}`.
 
 Every comparison runs its alternatives interleaved in one process (round by round), because this
 project's machines are shared and absolute timings drift; the tables report medians over rounds
@@ -8,14 +8,17 @@ with the spread (min-max), and ratios taken within each round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import inspect
+import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +29,8 @@ from ..engine import Engine
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 from . import vnni
-from .quant import DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, VnniLinear, cache_file, quantize_model
+from .quant import (DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantLinear, VnniLinear, cache_file,
+                    quantize_model)
 from .registry import model_dir
 from .runner import ModelRunner
 
@@ -120,6 +124,193 @@ def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[in
             cells = [spread(results["bf16"], 3)] + [f"{spread(results[v], 3)} ({statistics.median(rel[v]):.2f}x)" for v in names]
             print(f"| {name} ({out_features} x {in_features}) | {k} | " + " | ".join(cells) + " |", flush=True)
         del layers, copies
+
+
+# -- the cost of a pass of k tokens against one token ---------------------------------------------
+
+
+KERNEL_PATHS = ("vnni", "amx", "dequantize")
+
+
+@contextlib.contextmanager
+def kernel_path(path: str) -> Iterator[None]:
+    """Passes of several rows, of any length, on `path`: "amx" (tiles from vnni.AMX_MIN_ROWS rows),
+    "vnni" (vpdpbusd) or "dequantize" (bf16 weights, torch's matmul); one-row passes stay on VNNI,
+    the baseline of each path. Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
+    saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS
+    vnni.AMX_MIN_ROWS = saved[0] if path == "amx" else 10**9
+    vnni.DEQUANTIZE_ROWS = 2 if path == "dequantize" else 10**9
+    try:
+        yield
+    finally:
+        vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS = saved
+
+
+def kernel_paths(wanted: list[str]) -> list[str]:
+    return [path for path in wanted if path != "amx" or vnni.amx()]
+
+
+def _on_path(path: str, measure: Callable[[], float]) -> Callable[[], float]:
+    def measured() -> float:
+        with kernel_path(path):
+            return measure()
+
+    return measured
+
+
+@torch.no_grad()
+def bench_layer_passes(shapes: list[tuple[str, int, int]], tokens: list[int], paths: list[str], rounds: int, seconds: float,
+                       working_set: int) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """ms per call of our kernel's layers at each pass length and path, interleaved; prints the table of
+    medians and of each pass's cost over the one-token pass of the same path and round. The body's
+    layers are int4, the output layer int8 (as served)."""
+    print(f"machine: {machine_line()}; each variant cycles through {working_set / 1e6:.0f} MB of copies\n")
+    results = {}
+    print("| layer (out x in) | weights | tokens | " + " | ".join(f"{p} ms (x 1 token)" for p in paths) + " |")
+    print("|---" * (3 + len(paths)) + "|")
+    for name, out_features, in_features in shapes:
+        precision = "int8" if name == "lm_head" else "int4"
+        layer = VnniLinear.from_linear(nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16), precision)
+        copies = _copies(layer, working_set)
+        inputs = {k: torch.randn(k, in_features, dtype=torch.bfloat16) for k in tokens}
+        for path in paths:
+            with kernel_path(path):
+                for x in inputs.values():
+                    layer(x)  # warm up: first calls allocate, the first AMX call asks for the tiles
+        variants = {(p, k): _on_path(p, _timed_calls(copies, x, seconds)) for k, x in inputs.items() for p in paths}
+        measured = interleaved(variants, rounds)
+        results[name] = {p: {k: measured[p, k] for k in tokens} for p in paths}
+        for k in tokens:
+            cells = []
+            for p in paths:
+                rel = [t / one for t, one in zip(measured[p, k], measured[p, tokens[0]])]
+                cells.append(f"{spread(measured[p, k], 3)} ({statistics.median(rel):.2f}x)")
+            print(f"| {name} ({out_features} x {in_features}) | {precision} | {k} | " + " | ".join(cells) + " |", flush=True)
+        del layer, copies
+    return results
+
+
+class SectionTimer:
+    """Seconds a model spends in its quantized linear layers (the output layer apart) while it runs."""
+
+    def __init__(self, model: nn.Module):
+        self.seconds = {"linear": 0.0, "head": 0.0}
+        head = model.get_output_embeddings()
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.forward = self._timed(module.forward, "head" if module is head else "linear")
+
+    def _timed(self, forward: Callable[[torch.Tensor], torch.Tensor], section: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def timed(x: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            out = forward(x)
+            self.seconds[section] += time.perf_counter() - start
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+@torch.no_grad()
+def bench_model_passes(model: str, context: int, tokens: list[int], paths: list[str], rounds: int,
+                       passes: int) -> dict[str, dict[int, list[dict[str, float]]]]:
+    """A forward pass over k new tokens against a cache of `context` tokens (batch 1, all k logits, then
+    their argmax), against a one-token pass: ms per pass, split into the quantized linear layers, the
+    output layer, the argmax and the rest (attention over the cache, norms, rotary, masks, Python).
+    Each measurement is the pass with the median total of `passes`; the cache is cut back after each."""
+    runner = load_variant(model, Variant("bf16", "int4"))
+    timer = SectionTimer(runner.model)
+    ids = runner.tokenizer(inspect.getsource(importlib.import_module(HELD_OUT_MODULE)))["input_ids"]
+    cache, _, _ = runner.prefill(ids[:context])
+    print(f"machine: {machine_line()}\nmodel: {model} int4 (head int8), batch 1, a context of {context} tokens; "
+          f"per measurement the median of {passes} passes\n")
+
+    def measure(k: int) -> Callable[[], dict[str, float]]:
+        new = torch.tensor([ids[context : context + k]])
+
+        def one_pass() -> dict[str, float]:
+            timer.reset()
+            start = time.perf_counter()
+            logits, _ = runner.forward(cache, new)
+            forward = time.perf_counter() - start
+            logits.argmax(dim=-1).tolist()
+            total = time.perf_counter() - start
+            cache.valid = cache.valid[:, :-k]  # undo the pass: its slots were pending
+            runner.drop_pending(cache)
+            seconds = {"total": total, **timer.seconds, "argmax": total - forward}
+            seconds["rest"] = forward - timer.seconds["linear"] - timer.seconds["head"]
+            return {section: 1000 * value for section, value in seconds.items()}
+
+        def median_pass() -> dict[str, float]:
+            samples = sorted((one_pass() for _ in range(passes)), key=lambda sample: sample["total"])
+            return samples[len(samples) // 2]
+
+        return median_pass
+
+    for path in paths:
+        with kernel_path(path):
+            for k in tokens:
+                measure(k)()  # warm up
+    measured = interleaved({(p, k): _on_path(p, measure(k)) for k in tokens for p in paths}, rounds)
+    sections = ["linear", "head", "argmax", "rest"]
+    print("| path | tokens | pass ms | x 1 token | " + " | ".join(f"{s} ms" for s in sections) + " |")
+    print("|---" * (4 + len(sections)) + "|")
+    for p in paths:
+        for k in tokens:
+            totals = [sample["total"] for sample in measured[p, k]]
+            rel = [t / one["total"] for t, one in zip(totals, measured[p, tokens[0]])]
+            parts = [f"{statistics.median(sample[s] for sample in measured[p, k]):.1f}" for s in sections]
+            print(f"| {p} | {k} | {spread(totals, 1)} | {spread(rel)} | " + " | ".join(parts) + " |", flush=True)
+    return {p: {k: measured[p, k] for k in tokens} for p in paths}
+
+
+def plot_pass_costs(layers: dict, model: dict, tokens: list[int], title: str, path: Path) -> None:
+    """Pass cost over the one-token pass against the pass length: each layer shape and the whole model, per kernel path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def curve(per_k: dict, value: Callable) -> list[float]:
+        return [statistics.median(value(t) / value(one) for t, one in zip(per_k[k], per_k[tokens[0]])) for k in tokens]
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key in zip(axes, ["vnni", "amx"]):  # (a dequantize path, if measured, is in the tables)
+        for name, per_path in layers.items():
+            if key in per_path:
+                ax.plot(tokens, curve(per_path[key], float), marker=".", label=name)
+        if key in model:
+            ax.plot(tokens, curve(model[key], lambda sample: sample["total"]), marker="o", color="black", linewidth=2.5, label="whole model")
+        ax.set(title=f"{key.upper()} path", xscale="log", xlabel="tokens in the pass", xticks=tokens, xticklabels=tokens)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("pass cost / one-token pass")
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def bench_pass_cost(model: str | None, shapes: list[tuple[str, int, int]], tokens: list[int], paths: list[str], rounds: int,
+                    seconds: float, working_set: int, context: int, passes: int, out: Path | None, plot: Path | None) -> None:
+    paths = kernel_paths(paths)
+    layers = bench_layer_passes(shapes, tokens, paths, rounds, seconds, working_set) if shapes else {}
+    whole = bench_model_passes(model, context, tokens, paths, rounds, passes) if model else {}
+    if out:
+        out.write_text(json.dumps({"machine": machine_line(), "tokens": tokens, "layers": layers, "model": whole}))
+    if plot:
+        title = f"{model or 'layers'}: int4 (head int8), {torch.get_num_threads()} threads, the cost of a pass of k tokens"
+        plot_pass_costs(layers, whole, tokens, title, plot)
+
+
+def parse_shape(text: str) -> tuple[str, int, int]:
+    """A layer shape, `OUTxIN` or a name of QWEN_1_5B_LAYERS (`lm_head`, `down_proj`, ...)."""
+    for name, out_features, in_features in QWEN_1_5B_LAYERS:
+        if text in name.split(" / "):
+            return name, out_features, in_features
+    out_features, _, in_features = text.partition("x")
+    return text, int(out_features), int(in_features)
 
 
 # -- whole models ----------------------------------------------------------------------------------
@@ -268,6 +459,18 @@ def main(argv: list[str] | None = None) -> None:
     layers.add_argument("--seconds", type=float, default=0.5, help="per variant per round")
     layers.add_argument("--groups", type=int, nargs="+", default=list(INT4_GROUP_SIZES))
     layers.add_argument("--working-set-mb", type=int, default=1024, help="bytes each variant cycles through")
+    passes = sub.add_parser("pass-cost", help="a pass of k tokens over a one-token pass: layers and the whole model, VNNI and AMX")
+    passes.add_argument("--model", default="qwen2.5-coder-1.5b", help="'' for the layers alone")
+    passes.add_argument("--shapes", type=parse_shape, nargs="*", default=QWEN_1_5B_LAYERS, help="OUTxIN or layer names; none: the model alone")
+    passes.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    passes.add_argument("--paths", nargs="+", choices=KERNEL_PATHS, default=["vnni", "amx"], help="amx only where it runs")
+    passes.add_argument("--rounds", type=int, default=3)
+    passes.add_argument("--seconds", type=float, default=0.5, help="per layer variant per round")
+    passes.add_argument("--working-set-mb", type=int, default=1024, help="bytes each layer variant cycles through")
+    passes.add_argument("--context", type=int, default=300, help="tokens in the cache of the whole-model passes")
+    passes.add_argument("--passes", type=int, default=9, help="whole-model passes per measurement (their median)")
+    passes.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    passes.add_argument("--plot", type=Path, default=None, help="write the curve here (PNG)")
     for name, help_text in [("decode", "decode tokens/s per precision"), ("quality", "perplexity and greedy agreement")]:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("model")
@@ -283,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.command == "layers":
         bench_layers(args.tokens, args.rounds, args.seconds, args.groups, args.working_set_mb * 10**6)
+    elif args.command == "pass-cost":
+        bench_pass_cost(args.model, args.shapes, args.tokens, args.paths, args.rounds, args.seconds, args.working_set_mb * 10**6,
+                        args.context, args.passes, args.json, args.plot)
     elif args.command == "decode":
         bench_decode(args.model, args.variants, args.rounds, args.max_tokens)
     else:
