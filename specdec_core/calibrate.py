@@ -177,12 +177,12 @@ def layer_costs(drafter: LayerSkipDrafter, prompt: list[int], reps: int = 5) -> 
             start = time.perf_counter()
             run()
             times.append(time.perf_counter() - start)
-            target.drop_pending(cache)
+            cache.drop_pending()
         return statistics.median(times[1:])  # the first run warms up
 
     def plain_step() -> None:
         target.forward(cache, token)
-        target.commit(cache, torch.zeros(1, 1, dtype=torch.bool, device=target.device))
+        cache.commit(torch.zeros(1, 1, dtype=torch.bool, device=target.device))
 
     plain = median_s(plain_step)
     layers = target.num_layers

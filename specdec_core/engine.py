@@ -18,7 +18,7 @@ import torch
 
 from .control import Controller
 from .drafters.base import Drafter, Proposal
-from .models.runner import ModelRunner
+from .models.runner import BatchCache, ModelRunner
 from .sampling import greedy_tokens, make_generator, running_counts, to_probs
 from .sequence import Sequence
 from .tree import batch_layout, depths, path_counts, within_depth
@@ -60,7 +60,7 @@ class Engine:
         self.drafter = drafter
         self.controller = controller
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.cache = target.empty_cache()
+        self.cache = BatchCache.empty(target.device)
         self.seqs: list[Sequence] = []
         if drafter:
             drafter.attach(self.cache)
@@ -86,13 +86,13 @@ class Engine:
                 seq.counts[token] += 1
         features = self.wants_features
         row, logits, hidden = self.target.prefill(seq.tokens[:-1], all_logits=prompt_logits, features=features)
-        self.target.append_rows(self.cache, row)
+        self.cache.append(row)
         if self.drafter:
             try:
                 self.drafter.add(seq, hidden)
             except BaseException:
                 # Take the row back: a cache row no sequence owns would break every later step.
-                self.target.remove_rows(self.cache, list(range(len(self.seqs))))
+                self.cache.keep_rows(list(range(len(self.seqs))))
                 raise
         self.seqs.append(seq)
         return logits if prompt_logits else None
@@ -103,7 +103,7 @@ class Engine:
         keep = [i for i, seq in enumerate(self.seqs) if id(seq) not in gone]
         if len(keep) == len(self.seqs):
             return
-        self.target.remove_rows(self.cache, keep)
+        self.cache.keep_rows(keep)
         if self.drafter:
             self.drafter.remove(keep)
         self.seqs = [self.seqs[i] for i in keep]
@@ -173,7 +173,7 @@ class Engine:
                 seq.stats.gamma_sum += drafted
                 seq.stats.emitted_tokens += len(emitted)
             report.rows.append(RowResult(seq, emitted, drafted, len(path)))
-        self.target.commit(self.cache, keep.to(device))
+        self.cache.commit(keep.to(device))
         if self.drafter and (width or features):  # feature drafters need every committed token's features
             self.drafter.accepted(seqs, proposal, paths, kept_features if features else None)
         self.controller.observe(

@@ -97,13 +97,13 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
 
     Engine.add prefills one row and concatenates it to the batch, which is
     quadratic over thousands of rows. Add the first for real, copy its cache
-    rows (remove_rows with a repeated index), and give each copy what add
+    rows (keep_rows with a repeated index), and give each copy what add
     gives a sequence: the method name, its own seeded generator and, with
     penalties, its output counts.
     """
     engine.add(seqs[0])
     rows = [0] * len(seqs)
-    engine.target.remove_rows(engine.cache, rows)
+    engine.cache.keep_rows(rows)
     if engine.drafter:
         engine.drafter.remove(rows)
     for seq in seqs[1:]:

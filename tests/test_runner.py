@@ -36,18 +36,18 @@ def step(runner: ModelRunner, cache: BatchCache, rows: list[list[int]], keep: li
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     logits, _ = runner.forward(cache, ids)
     keep = [len(r) for r in rows] if keep is None else keep
-    runner.commit(cache, torch.arange(width)[None, :] < torch.tensor(keep)[:, None])
+    cache.commit(torch.arange(width)[None, :] < torch.tensor(keep)[:, None])
     return logits
 
 
 def batch(runner: ModelRunner, prompts: list[list[int]]) -> BatchCache:
-    """A batch cache holding prompt[:-1] of each row, built as the engine does: prefill, then append_rows."""
-    cache = runner.empty_cache()
+    """A batch cache holding prompt[:-1] of each row, built as the engine does: prefill, then append."""
+    cache = BatchCache.empty(runner.device)
     for prompt in prompts:
         row, logits, _ = runner.prefill(prompt[:-1], all_logits=True)
         if len(prompt) > 1:
             assert_matches_full(runner, logits, prompt[:-1])
-        runner.append_rows(cache, row)
+        cache.append(row)
     return cache
 
 
@@ -109,7 +109,7 @@ def test_tree_mask_and_keeping_one_branch(runner):
     logits, _ = runner.forward(cache, torch.tensor([nodes]), tree_mask=mask[None], depths=depths)
     for node, path in enumerate([[r], [r, a], [r, b], [r, a, c]]):
         assert_matches_full(runner, logits[0, node : node + 1], prompt + path)
-    runner.commit(cache, torch.tensor([[True, True, False, True]]))  # keep the branch r, a, c
+    cache.commit(torch.tensor([[True, True, False, True]]))  # keep the branch r, a, c
     logits, _ = runner.forward(cache, torch.tensor([[d]]), commit=True)
     assert_matches_full(runner, logits[0], prompt + [r, a, c, d])
 
@@ -130,20 +130,20 @@ def test_ragged_batch_with_rollbacks(runner):
         assert cache.lengths.tolist() == [len(ctx) - 1 for ctx in contexts]
 
 
-def test_remove_rows_and_compact(runner):
+def test_keep_rows_and_compact(runner):
     prompts = [tokens(n, seed=30 + n) for n in (4, 9, 6)]
     cache = batch(runner, prompts)
     # A three-token step keeping one token per row leaves two slots nobody uses.
     drafts = [p[-1:] + tokens(2, seed=40 + i) for i, p in enumerate(prompts)]
     step(runner, cache, drafts, keep=[1, 1, 1])
-    runner.remove_rows(cache, [2, 0])
+    cache.keep_rows([2, 0])
     assert cache.batch_size == 2
-    assert bool(cache.valid.any(dim=0).all()), "remove_rows leaves no slot that no row uses"
+    assert bool(cache.valid.any(dim=0).all()), "keep_rows leaves no slot that no row uses"
     rows = [prompts[2] + [EMITTED], prompts[0] + [EMITTED]]
     logits = step(runner, cache, [r[-1:] + [7] for r in rows])
     for i, row in enumerate(rows):
         assert_matches_full(runner, logits[i], row + [7])
-    runner.remove_rows(cache, [])
+    cache.keep_rows([])
     assert cache.batch_size == 0 and cache.slots == 0
 
 
@@ -162,7 +162,7 @@ def test_compact_keeps_results_and_drops_dead_slots(runner):
 
 
 @pytest.mark.parametrize("order", ["one-token-first", "one-token-last", "all-one-token"])
-def test_append_rows_with_one_token_prompts(runner, order):
+def test_append_with_one_token_prompts(runner, order):
     long, short = tokens(6, seed=70), tokens(1, seed=71)
     prompts = {"one-token-first": [short, long], "one-token-last": [long, short], "all-one-token": [short, short]}[order]
     cache = batch(runner, prompts)
@@ -178,7 +178,7 @@ def test_row_joining_a_batch_mid_decode(runner):
     step(runner, cache, [first[-1:] + [1, 2, 3]], keep=[2])
     first = first + [1, EMITTED]
     row, _, _ = runner.prefill(second[:-1])
-    runner.append_rows(cache, row)
+    cache.append(row)
     logits = step(runner, cache, [first[-1:] + [4], second[-1:] + [5]])
     assert_matches_full(runner, logits[0], first + [4])
     assert_matches_full(runner, logits[1], second + [5])
@@ -189,7 +189,7 @@ def test_drop_last(runner):
     cache = batch(runner, prompts)
     extra = [tokens(3, seed=92), tokens(3, seed=93)]
     step(runner, cache, [p[-1:] + e for p, e in zip(prompts, extra)])
-    runner.drop_last(cache, [2, 0])  # row 0 takes back its last two tokens
+    cache.drop_last([2, 0])  # row 0 takes back its last two tokens
     contexts = [prompts[0] + extra[0][:1] + [EMITTED], prompts[1] + extra[1] + [EMITTED]]
     assert cache.lengths.tolist() == [len(c) - 1 for c in contexts]
     logits = step(runner, cache, [c[-1:] for c in contexts])
@@ -201,7 +201,7 @@ def test_drop_last_refuses_slots_that_are_not_valid(runner):
     cache = batch(runner, [tokens(4, seed=95), tokens(4, seed=96)])
     step(runner, cache, [[1, 2], [3, 4]], keep=[2, 1])
     with pytest.raises(RuntimeError, match="row 1"):
-        runner.drop_last(cache, [0, 1])
+        cache.drop_last([0, 1])
 
 
 def test_hidden_states(runner):

@@ -144,11 +144,11 @@ def test_layer_skip_allocates_no_cache_and_rolls_back_exactly(target, monkeypatc
     assert rejected > 0, "the test needs rejections to exercise rollback"
 
     # The rolled-back cache answers as a fresh prefill of the same tokens would: target and draft alike.
-    fresh = target.empty_cache()
+    fresh = BatchCache.empty(target.device)
     for seq in seqs:
-        target.append_rows(fresh, target.prefill(seq.tokens[:-1])[0])
+        fresh.append(target.prefill(seq.tokens[:-1])[0])
     draft_now = drafter._first_logits(seqs)
-    target.drop_pending(engine.cache)
+    engine.cache.drop_pending()
     drafter.attach(fresh)
     draft_fresh = drafter._first_logits(seqs)
     torch.testing.assert_close(draft_now, draft_fresh, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ from specdec_core import engine as engine_module
 from specdec_core.control import Controller
 from specdec_core.drafters.base import Drafter, Proposal
 from specdec_core.engine import Engine
+from specdec_core.models.runner import BatchCache
 from specdec_core.sampling import SamplingParams, sample
 from specdec_core.sequence import Sequence
 from specdec_core.tree import ancestors_mask, batch_layout, children, depths, path_counts, within_depth
@@ -59,9 +60,9 @@ def test_a_tree_pass_gives_each_node_its_chain_logits():
     runner = tiny_runner(seed=0)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
     trees = [(PARENTS, [11, 12, 13, 14, 15, 16]), ([-1, 0, 0], [21, 22, 23])]
-    cache = runner.empty_cache()
+    cache = BatchCache.empty(runner.device)
     for prompt in prompts:
-        runner.append_rows(cache, runner.prefill(prompt[:-1])[0])
+        cache.append(runner.prefill(prompt[:-1])[0])
     width = max(len(parents) for parents, _ in trees)
     ids = torch.zeros(2, width + 1, dtype=torch.long)
     for i, (prompt, (parents, tokens)) in enumerate(zip(prompts, trees)):

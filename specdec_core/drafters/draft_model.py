@@ -23,7 +23,7 @@ from abc import abstractmethod
 
 import torch
 
-from ..models.runner import ModelRunner
+from ..models.runner import BatchCache, ModelRunner
 from ..sampling import adjust_logits, make_generator, running_counts, sample, to_probs
 from ..sequence import Sequence
 from ..vocab import ReducedVocab
@@ -105,14 +105,14 @@ class DraftModelDrafter(ModelDrafter):
         """`runner`'s output layer must already be cut to `vocab` when one is given (ReducedVocab.reduce_output)."""
         super().__init__(target_vocab, vocab, early_exit)
         self.runner = runner
-        self.cache = runner.empty_cache()
+        self.cache = BatchCache.empty(runner.device)
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
         row, _, _ = self.runner.prefill(seq.tokens[:-1])
-        self.runner.append_rows(self.cache, row)
+        self.cache.append(row)
 
     def remove(self, keep: list[int]) -> None:
-        self.runner.remove_rows(self.cache, keep)
+        self.cache.keep_rows(keep)
 
     def _first_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Catch up on the tokens the target emitted since the last proposal."""
@@ -125,7 +125,7 @@ class DraftModelDrafter(ModelDrafter):
             ids[i, : len(tokens)] = torch.tensor(tokens)
             keep[i, : len(tokens)] = True
         logits, _ = runner.forward(cache, ids)
-        runner.commit(cache, keep.to(runner.device))
+        cache.commit(keep.to(runner.device))
         last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
         return logits[torch.arange(len(seqs), device=logits.device), last]
 
@@ -137,4 +137,4 @@ class DraftModelDrafter(ModelDrafter):
         self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
     ) -> None:
         # The cache holds the draft tokens fed back; drop those past each row's accepted prefix.
-        self.runner.drop_last(self.cache, [max(self.forwarded - len(path), 0) for path in paths])
+        self.cache.drop_last([max(self.forwarded - len(path), 0) for path in paths])

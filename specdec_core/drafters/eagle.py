@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.eagle_net import CacheOps, EagleNet
-from ..models.runner import ModelRunner
+from ..models.eagle_net import EagleNet
+from ..models.runner import BatchCache
 from ..sequence import Sequence
 from .base import Drafter, Proposal
 
@@ -35,32 +35,32 @@ class EagleDrafter(Drafter):
         self.depth = depth
         self.total_tokens = total_tokens
         device = net.fc.weight.device
-        self.ops = CacheOps(device)
-        self.cache = self.ops.empty_cache()
+        self.cache = BatchCache.empty(device)
         self.roots = torch.zeros(0, net.hidden_size, dtype=net.fc.weight.dtype, device=device)
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
-        row = self.ops.empty_cache()
+        device = self.cache.device
+        row = BatchCache.empty(device)
         n = len(features)
         if n:
-            tokens = torch.tensor([seq.tokens[1 : n + 1]], device=self.ops.device)
-            keep = torch.ones(1, n, dtype=torch.bool, device=self.ops.device)
-            root = self.net.feed(self.ops, row, features[None], tokens, keep)[0, -1]
+            tokens = torch.tensor([seq.tokens[1 : n + 1]], device=device)
+            keep = torch.ones(1, n, dtype=torch.bool, device=device)
+            root = self.net.feed(row, features[None], tokens, keep)[0, -1]
         else:  # a one-token prompt has no feature yet: a zero root drafts poorly but exactly
-            row.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.ops.device)
-            row.lengths = torch.zeros(1, dtype=torch.long, device=self.ops.device)
+            row.valid = torch.zeros(1, 0, dtype=torch.bool, device=device)
+            row.lengths = torch.zeros(1, dtype=torch.long, device=device)
             root = self.roots.new_zeros(self.net.hidden_size)
-        self.ops.append_rows(self.cache, row)
+        self.cache.append(row)
         self.roots = torch.cat([self.roots, root[None]])
 
     def remove(self, keep: list[int]) -> None:
-        self.ops.remove_rows(self.cache, keep)
+        self.cache.keep_rows(keep)
         self.roots = self.roots[torch.tensor(keep, dtype=torch.long, device=self.roots.device)]
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
         tree = self._grow(min(gamma, self.depth))
-        ModelRunner.drop_pending(self.cache)
+        self.cache.drop_pending()
         tokens, parents = tree.best(self.total_tokens)
         return Proposal(tokens=tokens.cpu(), lengths=[tokens.shape[1]] * len(seqs), probs=None, parents=parents)
 
@@ -100,7 +100,7 @@ class EagleDrafter(Drafter):
         width = max(counts, default=0)
         if not width:
             return
-        device = self.ops.device
+        device = self.cache.device
         batch = len(seqs)
         inputs = self.roots.new_zeros(batch, width, self.net.hidden_size)
         tokens = torch.zeros(batch, width, dtype=torch.long)
@@ -109,7 +109,7 @@ class EagleDrafter(Drafter):
             inputs[i, :count] = features[i][:count]
             tokens[i, :count] = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
             keep[i, :count] = True
-        predicted = self.net.feed(self.ops, self.cache, inputs, tokens.to(device), keep.to(device))
+        predicted = self.net.feed(self.cache, inputs, tokens.to(device), keep.to(device))
         last = torch.tensor([max(count - 1, 0) for count in counts], device=device)
         has = torch.tensor([count > 0 for count in counts], device=device)
         self.roots = torch.where(has[:, None], predicted[torch.arange(batch, device=device), last], self.roots)

@@ -63,7 +63,7 @@ class LayerSkipDrafter(ModelDrafter):
             return super().propose(seqs, gamma)
         finally:
             # The draft's slots must never reach the target's verify pass.
-            self.target.drop_pending(self.cache)
+            self.cache.drop_pending()
 
     def _first_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         # The cache lacks only each row's last token: it is the first one to feed.

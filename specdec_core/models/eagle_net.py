@@ -12,7 +12,7 @@ be the lm_head's rows for a reduced vocabulary (specdec_core/vocab.py): the draf
 only over those ids, and exactness is untouched (the target verifies over all of them).
 
 The network keeps its own `BatchCache` (shared slots, a per-row valid mask), so its rows roll
-back exactly as the target's do: the bookkeeping is ModelRunner's (`CacheOps`).
+back exactly as the target's do: the bookkeeping is the cache's own.
 
 Trained weights live in ``<cache root>/eagle/<name>/``: ``eagle.safetensors`` (fc, the layer,
 and ``vocab_ids`` when the vocabulary is reduced) and ``eagle.json`` (architecture and what it
@@ -31,7 +31,7 @@ from torch import nn
 
 from ..vocab import ReducedVocab
 from .registry import cache_dir
-from .runner import BatchCache, ModelRunner
+from .runner import BatchCache
 
 WEIGHTS_FILE = "eagle.safetensors"
 META_FILE = "eagle.json"
@@ -40,14 +40,6 @@ VOCAB_KEY = "vocab_ids"
 
 class MissingEagleError(FileNotFoundError):
     """EAGLE weights a config names have not been trained (or were trained for another target)."""
-
-
-class CacheOps(ModelRunner):
-    """ModelRunner's row and slot bookkeeping (append, remove, commit, drop pending), which needs only a
-    device: the draft network's cache rolls back by the very rules of the target's."""
-
-    def __init__(self, device: torch.device):  # no model: only the cache methods are used
-        self.device = device
 
 
 def eagle_dir(name: str) -> Path:
@@ -115,19 +107,20 @@ class EagleNet(nn.Module):
     # -- the draft's own cache -------------------------------------------------
 
     @torch.no_grad()
-    def feed(self, ops: CacheOps, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def feed(self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Append pairs [B, k] causally after each row's valid slots and keep those where `keep` [B, k];
         returns the predicted features [B, k, H]. There must be no pending (tree) slots."""
         batch, k = tokens.shape
+        device = cache.device
         if cache.batch_size == 0:
-            cache.valid = torch.zeros(batch, 0, dtype=torch.bool, device=ops.device)
-            cache.lengths = torch.zeros(batch, dtype=torch.long, device=ops.device)
-        causal = torch.ones(k, k, dtype=torch.bool, device=ops.device).tril().expand(batch, k, k)
+            cache.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+            cache.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        causal = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
         mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), causal], dim=2)
-        positions = cache.lengths[:, None] + torch.arange(k, device=ops.device)
+        positions = cache.lengths[:, None] + torch.arange(k, device=device)
         predicted = self(features, tokens, positions, mask, cache.kv)
-        cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=ops.device)], dim=1)
-        ops.commit(cache, keep)
+        cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=device)], dim=1)
+        cache.commit(keep)
         return predicted
 
     @torch.no_grad()
@@ -136,7 +129,7 @@ class EagleNet(nn.Module):
     ) -> torch.Tensor:
         """Tree nodes [B, k] at `depth` (1: children of the row's last token) as pending slots after earlier ones:
         each attends its row's valid slots, the pending slots `pending_mask` [B, k, P] allows, and itself.
-        Drop them with ModelRunner.drop_pending. Returns the predicted features [B, k, H]."""
+        Drop them with `cache.drop_pending()`. Returns the predicted features [B, k, H]."""
         batch, k = tokens.shape
         self_mask = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(batch, k, k)
         mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), pending_mask, self_mask], dim=2)

@@ -32,7 +32,7 @@ from . import vnni
 from .quant import (DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantLinear, VnniLinear, cache_file,
                     quantize_model)
 from .registry import model_dir
-from .runner import ModelRunner
+from .runner import BatchCache, ModelRunner
 
 # Qwen2.5-Coder-1.5B's linear layers: (name, out_features, in_features).
 QWEN_1_5B_LAYERS = [
@@ -238,7 +238,7 @@ def bench_model_passes(model: str, context: int, tokens: list[int], paths: list[
             logits.argmax(dim=-1).tolist()
             total = time.perf_counter() - start
             cache.valid = cache.valid[:, :-k]  # undo the pass: its slots were pending
-            runner.drop_pending(cache)
+            cache.drop_pending()
             seconds = {"total": total, **timer.seconds, "argmax": total - forward}
             seconds["rest"] = forward - timer.seconds["linear"] - timer.seconds["head"]
             return {section: 1000 * value for section, value in seconds.items()}
@@ -414,7 +414,7 @@ def bench_decode(model: str, variants: list[Variant], rounds: int, max_tokens: i
 @torch.no_grad()
 def held_out_logits(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits [len, V] for `ids`, fed `chunk` tokens per forward against the cache."""
-    cache, parts = runner.empty_cache(), []
+    cache, parts = BatchCache.empty(runner.device), []
     for start in range(0, len(ids), chunk):
         logits, _ = runner.forward(cache, torch.tensor([ids[start : start + chunk]]), commit=True)
         parts.append(logits[0])

@@ -46,23 +46,6 @@ def set_threads(threads: int | None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
-@dataclass
-class BatchCache:
-    """KV cache of a batch: shared slots, a per-row mask of valid slots."""
-
-    kv: DynamicCache
-    valid: torch.Tensor  # [B, S] bool: slot s holds a token of row b
-    lengths: torch.Tensor  # [B] long: valid tokens per row = next rotary position
-
-    @property
-    def batch_size(self) -> int:
-        return self.valid.shape[0]
-
-    @property
-    def slots(self) -> int:
-        return self.valid.shape[1]
-
-
 def _layers(kv: DynamicCache):
     return [layer for layer in kv.layers if layer.is_initialized]
 
@@ -74,6 +57,119 @@ class _EmptyRows:
         shape = (rows, *layer.keys.shape[1:])
         self.keys = layer.keys.new_zeros(shape)
         self.values = layer.values.new_zeros(shape)
+
+
+@dataclass
+class BatchCache:
+    """KV cache of a batch: shared slots, a per-row mask of valid slots, and the bookkeeping that keeps
+    them (join rows, remove rows, commit a pass, roll back); a draft network's cache follows the very
+    rules of the target's."""
+
+    kv: DynamicCache
+    valid: torch.Tensor  # [B, S] bool: slot s holds a token of row b
+    lengths: torch.Tensor  # [B] long: valid tokens per row = next rotary position
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "BatchCache":
+        return cls(
+            kv=DynamicCache(),
+            valid=torch.zeros(0, 0, dtype=torch.bool, device=device),
+            lengths=torch.zeros(0, dtype=torch.long, device=device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.valid.device
+
+    def append(self, rows: "BatchCache") -> None:
+        """Join the rows of `rows` (e.g. a fresh prefill) to this cache, padding slots."""
+        if self.batch_size == 0:
+            self.kv, self.valid, self.lengths = rows.kv, rows.valid, rows.lengths
+            return
+        slots = max(self.slots, rows.slots)
+        self._pad_slots(slots)
+        rows._pad_slots(slots)
+        mine, theirs = _layers(self.kv), _layers(rows.kv)
+        if mine or theirs:
+            # A side that never ran a forward (one-token prompts) has no tensors yet: give it empty slots.
+            template = mine or theirs
+            old = mine or [_EmptyRows(layer, self.batch_size) for layer in template]
+            new = theirs or [_EmptyRows(layer, rows.batch_size) for layer in template]
+            if not mine:
+                self.kv = rows.kv
+            for target, a, b in zip(_layers(self.kv), old, new):
+                target.keys, target.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
+        self.valid = torch.cat([self.valid, rows.valid], dim=0)
+        self.lengths = torch.cat([self.lengths, rows.lengths], dim=0)
+
+    def _pad_slots(self, slots: int) -> None:
+        extra = slots - self.slots
+        if extra <= 0:
+            return
+        for layer in _layers(self.kv):
+            pad = layer.keys.new_zeros(*layer.keys.shape[:2], extra, layer.keys.shape[3])
+            layer.keys = torch.cat([layer.keys, pad], dim=2)
+            layer.values = torch.cat([layer.values, pad.clone()], dim=2)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.batch_size, extra)], dim=1)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only the rows at indices `keep`, in that order."""
+        if not keep:
+            self.kv, self.valid, self.lengths = DynamicCache(), self.valid[:0, :0], self.lengths[:0]
+            return
+        index = torch.tensor(keep, device=self.device)
+        for layer in _layers(self.kv):
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        self.valid = self.valid.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)
+        self.compact(min_waste=0.0)
+
+    def drop_last(self, counts: list[int]) -> None:
+        """Invalidate the last counts[i] slots of row i (tokens a drafter appended and the target refused)."""
+        for row, count in enumerate(counts):
+            if count:
+                if not self.valid[row, self.slots - count :].all():
+                    raise RuntimeError(f"drop_last: the last {count} slots of row {row} are not all valid")
+                self.valid[row, self.slots - count :] = False
+        self.lengths = self.lengths - torch.tensor(counts, device=self.device)
+
+    def compact(self, min_waste: float = 0.25) -> None:
+        """Drop slots no row uses once they are more than `min_waste` of all slots."""
+        if self.slots == 0:
+            return
+        used = self.valid.any(dim=0)
+        if used.all() or (1 - used.float().mean().item()) < min_waste:
+            return
+        index = used.nonzero().squeeze(1)
+        for layer in _layers(self.kv):
+            layer.keys = layer.keys.index_select(2, index)
+            layer.values = layer.values.index_select(2, index)
+        self.valid = self.valid.index_select(1, index)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Settle the slots of the last forward: `keep` [B, k] says which stay valid.
+
+        This is the rollback: a rejected draft token's slot becomes invalid and
+        its row's position count does not advance past it.
+        """
+        k = keep.shape[1]
+        self.valid[:, self.slots - k :] = keep
+        self.lengths = self.lengths + keep.sum(dim=1)
+        self.compact()
+
+    def drop_pending(self) -> None:
+        """Cut every layer back to the cache's slots, undoing what a pass of some layers appended (a view: no copy)."""
+        for layer in _layers(self.kv):
+            layer.keys, layer.values = layer.keys[:, :, : self.slots], layer.values[:, :, : self.slots]
 
 
 class ModelRunner:
@@ -88,93 +184,6 @@ class ModelRunner:
         self.config = model.config
         self.vocab_size = model.get_output_embeddings().out_features
         self.num_layers = model.config.num_hidden_layers
-
-    # -- cache bookkeeping -------------------------------------------------
-
-    def empty_cache(self) -> BatchCache:
-        return BatchCache(
-            kv=DynamicCache(),
-            valid=torch.zeros(0, 0, dtype=torch.bool, device=self.device),
-            lengths=torch.zeros(0, dtype=torch.long, device=self.device),
-        )
-
-    def append_rows(self, cache: BatchCache, row_cache: BatchCache) -> None:
-        """Join the rows of `row_cache` (e.g. a fresh prefill) to `cache`, padding slots."""
-        if cache.batch_size == 0:
-            cache.kv, cache.valid, cache.lengths = row_cache.kv, row_cache.valid, row_cache.lengths
-            return
-        slots = max(cache.slots, row_cache.slots)
-        self._pad_slots(cache, slots)
-        self._pad_slots(row_cache, slots)
-        mine, theirs = _layers(cache.kv), _layers(row_cache.kv)
-        if mine or theirs:
-            # A side that never ran a forward (one-token prompts) has no tensors yet: give it empty slots.
-            template = mine or theirs
-            old = mine or [_EmptyRows(layer, cache.batch_size) for layer in template]
-            new = theirs or [_EmptyRows(layer, row_cache.batch_size) for layer in template]
-            if not mine:
-                cache.kv = row_cache.kv
-            for target, a, b in zip(_layers(cache.kv), old, new):
-                target.keys, target.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
-        cache.valid = torch.cat([cache.valid, row_cache.valid], dim=0)
-        cache.lengths = torch.cat([cache.lengths, row_cache.lengths], dim=0)
-
-    @staticmethod
-    def _pad_slots(cache: BatchCache, slots: int) -> None:
-        extra = slots - cache.slots
-        if extra <= 0:
-            return
-        for layer in _layers(cache.kv):
-            pad = layer.keys.new_zeros(*layer.keys.shape[:2], extra, layer.keys.shape[3])
-            layer.keys = torch.cat([layer.keys, pad], dim=2)
-            layer.values = torch.cat([layer.values, pad.clone()], dim=2)
-        cache.valid = torch.cat([cache.valid, cache.valid.new_zeros(cache.batch_size, extra)], dim=1)
-
-    def remove_rows(self, cache: BatchCache, keep: list[int]) -> None:
-        """Keep only the rows at indices `keep`, in that order."""
-        if not keep:
-            cache.kv, cache.valid, cache.lengths = self.empty_cache().kv, cache.valid[:0, :0], cache.lengths[:0]
-            return
-        index = torch.tensor(keep, device=self.device)
-        for layer in _layers(cache.kv):
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
-        cache.valid = cache.valid.index_select(0, index)
-        cache.lengths = cache.lengths.index_select(0, index)
-        self.compact(cache, min_waste=0.0)
-
-    def drop_last(self, cache: BatchCache, counts: list[int]) -> None:
-        """Invalidate the last counts[i] slots of row i (tokens a drafter appended and the target refused)."""
-        for row, count in enumerate(counts):
-            if count:
-                if not cache.valid[row, cache.slots - count :].all():
-                    raise RuntimeError(f"drop_last: the last {count} slots of row {row} are not all valid")
-                cache.valid[row, cache.slots - count :] = False
-        cache.lengths = cache.lengths - torch.tensor(counts, device=self.device)
-
-    def compact(self, cache: BatchCache, min_waste: float = 0.25) -> None:
-        """Drop slots no row uses once they are more than `min_waste` of all slots."""
-        if cache.slots == 0:
-            return
-        used = cache.valid.any(dim=0)
-        if used.all() or (1 - used.float().mean().item()) < min_waste:
-            return
-        index = used.nonzero().squeeze(1)
-        for layer in _layers(cache.kv):
-            layer.keys = layer.keys.index_select(2, index)
-            layer.values = layer.values.index_select(2, index)
-        cache.valid = cache.valid.index_select(1, index)
-
-    def commit(self, cache: BatchCache, keep: torch.Tensor) -> None:
-        """Settle the slots of the last forward: `keep` [B, k] says which stay valid.
-
-        This is the rollback: a rejected draft token's slot becomes invalid and
-        its row's position count does not advance past it.
-        """
-        k = keep.shape[1]
-        cache.valid[:, cache.slots - k :] = keep
-        cache.lengths = cache.lengths + keep.sum(dim=1)
-        self.compact(cache)
 
     # -- forward -----------------------------------------------------------
 
@@ -224,7 +233,7 @@ class ModelRunner:
         )
         cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=self.device)], dim=1)
         if commit:
-            self.commit(cache, torch.ones(batch, k, dtype=torch.bool, device=self.device))
+            cache.commit(torch.ones(batch, k, dtype=torch.bool, device=self.device))
         return out.logits.float(), (out.hidden_states if hidden_states else None)
 
     @torch.no_grad()
@@ -233,9 +242,9 @@ class ModelRunner:
 
         For self-speculation (drafters/layer_skip.py). The new tokens attend each
         row's valid slots, then the slots earlier calls appended since the last
-        `drop_pending`, then each other causally. Their keys and values go into
+        `cache.drop_pending()`, then each other causally. Their keys and values go into
         the first `num_layers` layers only and never into `cache.valid`, so they
-        are pending: call `drop_pending` before the next full forward.
+        are pending: call `cache.drop_pending()` before the next full forward.
         Llama-style decoders only (Llama, Qwen2): one full-attention mask for every layer.
         """
         decoder = self.model.get_decoder()
@@ -261,18 +270,12 @@ class ModelRunner:
             )
         return decoder.norm(hidden)
 
-    @staticmethod
-    def drop_pending(cache: BatchCache) -> None:
-        """Cut every layer back to the cache's slots, undoing what `forward_layers` appended (a view: no copy)."""
-        for layer in _layers(cache.kv):
-            layer.keys, layer.values = layer.keys[:, :, : cache.slots], layer.values[:, :, : cache.slots]
-
     def prefill(
         self, token_ids: list[int], all_logits: bool = False, features: bool = False
     ) -> tuple[BatchCache, torch.Tensor, torch.Tensor | None]:
         """A one-row cache holding `token_ids`; their logits ([len, V] with all_logits, else the last [1, V]);
         with `features`, the final-normed last hidden states [len, H] (what the output layer reads), else None."""
-        cache = self.empty_cache()
+        cache = BatchCache.empty(self.device)
         if not token_ids:
             cache.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
             cache.lengths = torch.zeros(1, dtype=torch.long, device=self.device)
