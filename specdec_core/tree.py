@@ -12,11 +12,6 @@ from __future__ import annotations
 import torch
 
 
-def chain_parents(length: int) -> list[int]:
-    """The parents of a chain of `length` nodes."""
-    return list(range(-1, length - 1))
-
-
 def ancestors_mask(parents: list[int]) -> torch.Tensor:
     """[N+1, N+1] bool over (root, nodes): entry (a, b) when b is a or an ancestor of a."""
     n = len(parents)
