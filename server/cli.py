@@ -50,8 +50,8 @@ def generate_command(args: argparse.Namespace) -> int:
     engine.add(seq)
     start = time.perf_counter()
     marked = []
-    while engine.seqs:
-        for row in engine.step().rows:
+    for report in engine.generate():
+        for row in report.rows:
             # Kept draft tokens are shown in [brackets]; the target's own token after them is plain.
             text = [tokenizer.decode([t]) for t in row.new_tokens]
             drafted = "".join(text[: row.accepted])

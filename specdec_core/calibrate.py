@@ -87,9 +87,7 @@ def decode_one(engine: Engine, prompt: list[int], params: SamplingParams, max_to
 
     seq = Sequence("calibrate", prompt, params, max_tokens)
     start = time.perf_counter()
-    engine.add(seq)
-    while engine.seqs:
-        report = engine.step()
+    for report in engine.generate([seq]):
         tally.draft_s += report.draft_s
         tally.draft_positions += report.gamma
         tally.verify_s += report.verify_s

@@ -12,6 +12,7 @@ row that drafted a tree of depth d drafted d positions, whatever its width.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,15 @@ class Engine:
         if self.drafter:
             self.drafter.remove(keep)
         self.seqs = [self.seqs[i] for i in keep]
+
+    def generate(self, seqs: Iterable[Sequence] = ()) -> Iterator[StepReport]:
+        """Prefill `seqs` into the batch, then step until the batch is empty, yielding each step's report:
+        the decode loop of everything that runs the engine to the end (bench, calibrate, the CLI,
+        training data); the server's scheduler steps itself, admitting as it goes."""
+        for seq in seqs:
+            self.add(seq)
+        while self.seqs:
+            yield self.step()
 
     def step(self) -> StepReport:
         """Decode one step for every sequence in the batch; finished ones leave the batch."""

@@ -214,8 +214,8 @@ class Bench:
             engine.add(seq)
         prefill_s = time.perf_counter() - start
         run = Run(method.label, len(prompts), block, prompts, [], 0.0, prefill_s)
-        while engine.seqs:
-            run.add_step(engine.step())
+        for report in engine.generate():
+            run.add_step(report)
         run.wall_s = time.perf_counter() - start
         run.outputs = [list(seq.output_ids) for seq in seqs]
         run.chosen_gammas = list(controller.chosen) if controller else []

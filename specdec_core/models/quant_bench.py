@@ -378,8 +378,8 @@ def greedy(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[list
     seq = Sequence("bench", prompt_ids, SamplingParams(temperature=0.0), max_tokens)
     engine.add(seq)
     start = time.perf_counter()
-    while not seq.finished:
-        engine.step()
+    for _ in engine.generate():
+        pass
     return seq.output_ids, time.perf_counter() - start
 
 

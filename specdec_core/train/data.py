@@ -153,10 +153,7 @@ def answer_prompts(runner: ModelRunner, texts: list[str], settings: DataSettings
                          settings.answer_tokens)
                 for i, text in enumerate(texts[start : start + GENERATION_BATCH])
             ]
-            for seq in batch:
-                engine.add(seq)
-            while engine.seqs:
-                report = engine.step()
+            for report in engine.generate(batch):
                 bar.update(sum(len(row.new_tokens) for row in report.rows) + sum(seq.remaining for seq in report.finished))
             answered += [seq.tokens for seq in batch]
     return answered
