@@ -26,7 +26,7 @@ from .schemas import ERROR_RESPONSES, APIError, ChatRequest, CompletionRequest, 
 from .security import MeteredJob, check_prompt_tokens, check_request
 
 router = APIRouter(responses=ERROR_RESPONSES)
-# One thread: tokenizers are not safe to share across threads, and the event loop stays free.
+# One thread: the event loop stays free, and its tokenizer copy is never used by two threads at once.
 _tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
 T = TypeVar("T")
 
