@@ -193,7 +193,9 @@ def test_overload_gets_completions_or_429s_and_the_server_recovers(tmp_path):
     print(f"\noverload: sent {sent}, completed {outcomes['200']}, rejected 429 {outcomes['429']}, "
           f"lost {sent - outcomes['200'] - outcomes['429']}; RSS {baseline / 2**20:.0f} -> {after / 2**20:.0f} MiB")
     assert set(outcomes) <= {"200", "429"}, outcomes  # every request answered, and with one of these
-    assert outcomes["200"] >= 10 and outcomes["429"] > 0, outcomes  # the queue did overflow; work still got done
+    # The queue did overflow, and work still got done: at least the queue's worth (8) is always admitted; the
+    # 2 batch slots add more only when the worker takes from the queue during the burst (CI once saw 9).
+    assert outcomes["200"] >= 8 and outcomes["429"] > 0, outcomes
     # A second burst like the first must not grow the process: nothing of the requests is kept.
     assert after - baseline < 0.1 * baseline, (baseline, after)
 
