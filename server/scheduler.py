@@ -278,9 +278,8 @@ class Scheduler:
         report = self.engine.step()
         self.metrics.observe_step(report)
         for seq, exc in report.failed:  # the engine has removed these rows; their requests end here
-            job, _ = self._active[id(seq)]
-            if job in self._jobs:  # a job with several failed rows ends once
-                self._fail(job, internal_error(f"decoding {seq.request_id} failed", exc))
+            if id(seq) in self._active:  # else its job failed already, with another of its rows
+                self._fail(self._active[id(seq)][0], internal_error(f"decoding {seq.request_id} failed", exc))
         stopped = []
         for row in report.rows:
             if id(row.seq) not in self._active:

@@ -418,13 +418,13 @@ def test_a_row_that_fails_in_decoding_fails_its_request_alone(served, bystanders
     verify = engine._verify
 
     def failing(seq, *args):  # stands in for a numerical failure in one row: its sampling raises
-        if seq.params.seed == 424242:
+        if seq.params.seed in (424242, 424243):  # both choices of the doomed request (n=2: seed + index)
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return verify(seq, *args)
 
     monkeypatch.setattr(engine, "_verify", failing)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "logit_bias": NO_EOS, "temperature": 1}
-    doomed = httpx.post(f"{served.url}/v1/completions", json=body | {"seed": 424242}, timeout=120)
+    doomed = httpx.post(f"{served.url}/v1/completions", json=body | {"seed": 424242, "n": 2}, timeout=120)
     assert doomed.status_code == 500
     error = error_of(doomed)
     assert error["type"] == "server_error" and "incident" in error["message"]
