@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import theory
-from .bench.prompts import DEFAULT_PROMPTS, encode, load_prompts, stratified
+from .bench.prompts import add_prompts_argument, encode, load_prompts, stratified
 from .config import Config, with_overrides
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config: the target, dtype and speculation settings")
     parser.add_argument("--drafters", help="measure these instead of calibrating: comma-separated name[:key=value...], "
                         "keys under speculation, e.g. layer-skip:layer_skip.k=20:vocab_size=32768:gamma=3")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with a 'prompt' or 'turns' field per line (default: Spec-Bench's question.jsonl)")
+    add_prompts_argument(parser)
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts, one per category in file order")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import DRAFTERS
-from .prompts import DEFAULT_PROMPTS, Prompt, categories_of, load_prompts, stratified
+from .prompts import Prompt, add_prompts_argument, categories_of, load_prompts, stratified
 from .stats import PLAIN, interleave
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "distilled:distilled.student=NAME:g3; plain is always run, as the reference "
         "(default: plain,ngram and draft-model if the config has one)",
     )
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with a 'prompt' or 'turns' field per line (default: Spec-Bench's question.jsonl)")
+    add_prompts_argument(parser)
     parser.add_argument("--categories", type=_list, help="only these categories (comma-separated)")
     parser.add_argument("--num-prompts", type=int, help="prompts at batch 1, stratified over categories (default: one per category)")
     parser.add_argument("--max-prompt-tokens", type=int, help="only prompts up to this many tokens (chat template included); default: all")

@@ -7,6 +7,8 @@ Other files may give a `prompt` string instead; a missing category is "default".
 
 from __future__ import annotations
 
+import argparse
+
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,3 +87,9 @@ def encode(tokenizer, text: str) -> list[int]:
         )
         return list(ids)
     return tokenizer.encode(text)
+
+
+def add_prompts_argument(parser: argparse.ArgumentParser) -> None:
+    """--prompts, as the bench and calibrate take it."""
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                        help="JSONL with a 'prompt' or 'turns' field per line (default: Spec-Bench's question.jsonl)")
