@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdec_core.bench.prompts import DEFAULT_PROMPTS, load_prompts, stratified
+from specdec_tools.bench.prompts import DEFAULT_PROMPTS, load_prompts, stratified
 
 from .report import markdown, plot
 from .runner import Load, Target, parse_target, sweep

@@ -1,16 +1,11 @@
-"""Summaries of a level, the Markdown table, and the latency plots."""
+"""Percentiles, the Markdown table, and the latency plots of a sweep's levels."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .runner import Load, RequestResult
 
 QUANTILES = (50, 90, 99)
 
@@ -22,35 +17,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": float(v) for q, v in zip(QUANTILES, np.percentile(values, QUANTILES))}
 
 
-def summarize(
-    label: str, load: Load, results: Sequence[RequestResult], wall_s: float, before: dict[str, float], after: dict[str, float]
-) -> dict:
-    """One level on one target: counts, latency percentiles, throughput, and the server's own view."""
-    ok = [r for r in results if r.ok]
-    drafted = sum(r.draft_tokens for r in ok)
-    delta = {key: after[key] - before.get(key, 0.0) for key in after}
-    steps = {mode: delta.get(f"specdec_decode_steps_total:{mode}", 0.0) for mode in ("speculative", "plain")}
-    return {
-        "target": label,
-        "mode": load.mode,
-        "level": load.level,
-        "sent": len(results),
-        "ok": len(ok),
-        "errors": dict(Counter(r.error.split(":")[0] for r in results if not r.ok)),
-        "wall_s": wall_s,
-        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
-        "itl_s": percentiles([gap for r in ok for gap in r.itls]),
-        "e2e_s": percentiles([r.e2e for r in ok]),
-        "output_tokens": sum(r.output_tokens for r in ok),
-        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_s if wall_s else 0.0,
-        "acceptance_rate": sum(r.accepted_tokens for r in ok) / drafted if drafted else None,
-        # From the server's /metrics, differenced over the level (None if it exposes none).
-        "mean_batch_size": _ratio(delta.get("specdec_batch_size_sum"), delta.get("specdec_batch_size_count")),
-        "speculative_step_share": _ratio(steps["speculative"], steps["speculative"] + steps["plain"]),
-    }
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+def ratio_or_none(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
@@ -73,7 +40,7 @@ def markdown(levels: Sequence[dict], baseline: str | None = None) -> str:
     ]
     rows = []
     for lv in levels:
-        ratio = _ratio(lv["output_tokens_per_s"], reference.get(lv["level"]))
+        ratio = ratio_or_none(lv["output_tokens_per_s"], reference.get(lv["level"]))
         rows.append([
             f"{lv['level']:g}", lv["target"], f"{lv['ok']} / {lv['sent']}",
             ", ".join(f"{kind} ×{n}" for kind, n in lv["errors"].items()) or "0",

@@ -13,6 +13,7 @@ import json
 import random
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .report import summarize
+from .report import percentiles, ratio_or_none
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,34 @@ class Load:
     level: float
     requests: int
     duration_s: float
+
+
+def summarize(
+    label: str, load: Load, results: Sequence[RequestResult], wall_s: float, before: dict[str, float], after: dict[str, float]
+) -> dict:
+    """One level on one target: counts, latency percentiles, throughput, and the server's own view."""
+    ok = [r for r in results if r.ok]
+    drafted = sum(r.draft_tokens for r in ok)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    steps = {mode: delta.get(f"specdec_decode_steps_total:{mode}", 0.0) for mode in ("speculative", "plain")}
+    return {
+        "target": label,
+        "mode": load.mode,
+        "level": load.level,
+        "sent": len(results),
+        "ok": len(ok),
+        "errors": dict(Counter(r.error.split(":")[0] for r in results if not r.ok)),
+        "wall_s": wall_s,
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": percentiles([gap for r in ok for gap in r.itls]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_s if wall_s else 0.0,
+        "acceptance_rate": sum(r.accepted_tokens for r in ok) / drafted if drafted else None,
+        # From the server's /metrics, differenced over the level (None if it exposes none).
+        "mean_batch_size": ratio_or_none(delta.get("specdec_batch_size_sum"), delta.get("specdec_batch_size_count")),
+        "speculative_step_share": ratio_or_none(steps["speculative"], steps["speculative"] + steps["plain"]),
+    }
 
 
 def parse_target(text: str) -> Target:
