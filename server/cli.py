@@ -76,27 +76,48 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from specdec_core.bench.cli import run_bench
+    from specdec_tools.bench.cli import run_bench
 
     return run_bench(args)
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
-    from specdec_core.calibrate import run
+    from specdec_tools.calibrate import run
 
     return run(args)
 
 
 def pull_command(args: argparse.Namespace) -> int:
-    from specdec_core.models.registry import pull_command as pull
+    """Pull each model and print its path; with --weights, also quantize it and cache the packed weights,
+    so that a start loads them directly. Exit code 1 on the first error."""
+    from specdec_core.build import load_runner
+    from specdec_core.config import ModelConfig
+    from specdec_core.models.catalogue import RegistryError
+    from specdec_core.models.registry import pull
 
-    return pull(args.names, args.weights)
+    for name in args.names:
+        try:
+            print(pull(name))
+        except RegistryError as error:
+            print(f"specdec: error: {error}", file=sys.stderr)
+            return 1
+        if args.weights:
+            load_runner(name, ModelConfig(target=name, weights=args.weights))
+            print(f"{name}: {args.weights} weights packed and cached")
+    return 0
 
 
 def models_command(args: argparse.Namespace) -> int:
-    from specdec_core.models.registry import models_command as models
+    """The registry as a table."""
+    from specdec_core.models.registry import list_models
 
-    return models()
+    rows = [(m["name"], m["family"], m["role"], f"{m['gguf_size'] / 1e6:.0f}", "yes" if m["cached"] else "no")
+            for m in list_models()]
+    header = ("NAME", "FAMILY", "ROLE", "SIZE MB", "CACHED")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,19 +159,19 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=serve_command)
 
     p = sub.add_parser("bench", help="Spec-Bench-style measurement of decoding methods")
-    from specdec_core.bench.cli import add_arguments
+    from specdec_tools.bench.cli import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=bench_command)
 
     p = sub.add_parser("calibrate", help="pick layer skip's k by measurement, or measure drafters against plain decoding")
-    from specdec_core.calibrate import add_arguments as calibrate_arguments
+    from specdec_tools.calibrate import add_arguments as calibrate_arguments
 
     calibrate_arguments(p)
     p.set_defaults(func=calibrate_command)
 
     p = sub.add_parser("train", help="train drafter heads on the target's own predictions (self-distillation)")
-    from specdec_core.train.cli import add_arguments as train_arguments
+    from specdec_tools.train.cli import add_arguments as train_arguments
 
     train_arguments(p)  # one subcommand per trainer (medusa, ...), each setting its own func
     return root

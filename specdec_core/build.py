@@ -11,8 +11,13 @@ from torch import nn
 from .config import DRAFTERS, MODEL_DRAFTERS, Config, ModelConfig
 from .control import Controller
 from .drafters.base import Drafter
-from .drafters.distilled import (AdaptedOutput, DistilledDraftModelDrafter, DistilledDrafter, default_student_name,
-                                 load_student)
+from .drafters.distilled import (
+    AdaptedOutput,
+    DistilledDrafter,
+    DistilledDraftModelDrafter,
+    default_student_name,
+    load_student,
+)
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
@@ -21,12 +26,14 @@ from .drafters.medusa import MedusaDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.quantized import QuantizedDrafter, quantized_copy
 from .engine import Engine
+from .models.catalogue import REGISTRY
 from .models.eagle_net import load_eagle
 from .models.medusa_heads import default_heads_name, load_heads
+from .models.paths import model_dir
 from .models.quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
 from .models.runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
 from .models.tiny import is_tiny, tiny_model, tiny_tokenizer
-from .vocab import ReducedVocab, reduced_vocab
+from .models.vocab import ReducedVocab, reduced_vocab
 
 log = logging.getLogger("specdec")
 
@@ -83,8 +90,6 @@ def check_same_tokenizer(target: ModelRunner, draft: ModelRunner) -> None:
 
 def registry_dir(name: str) -> Path | None:
     """A registry model's own cache directory (ours to write derived files into); None for other models."""
-    from .models.registry import REGISTRY, model_dir
-
     return model_dir(name) if name in REGISTRY else None
 
 

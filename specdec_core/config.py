@@ -47,7 +47,7 @@ class NgramConfig(Section):
 
 
 class LayerSkipConfig(Section):
-    k: int | None = Field(None, ge=1, description="Target layers the layer-skip draft runs (the first k); null: 3/4 of them, rounded down. Measure with `python -m specdec_core.calibrate`")
+    k: int | None = Field(None, ge=1, description="Target layers the layer-skip draft runs (the first k); null: 3/4 of them, rounded down. Measure with `python -m specdec_tools.calibrate`")
 
 
 class QuantizedConfig(Section):

@@ -17,7 +17,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from specdec_core.models import vnni
-from specdec_core.models.registry import cache_dir
+from specdec_core.models.paths import cache_dir
 
 _build_dir = cache_dir() / "kernels" / f"vnni-emulated-torch{torch.__version__}"
 _build_dir.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,11 @@ import sys
 import pytest
 
 from server.cli import main
-from specdec_core.bench.docs import main as docs_main
-from specdec_core.bench.prompts import Prompt, load_prompts, stratified
-from specdec_core.bench.results import controller_checks, records
-from specdec_core.bench.runner import Method, Run, parse_method
-from specdec_core.bench.stats import adjacent_ratios, interleave, summary
-
+from specdec_tools.bench.docs import main as docs_main
+from specdec_tools.bench.prompts import Prompt, load_prompts, stratified
+from specdec_tools.bench.results import controller_checks, records
+from specdec_tools.bench.runner import Method, Run, parse_method
+from specdec_tools.bench.stats import adjacent_ratios, interleave, summary
 
 # -- measurement design and statistics ---------------------------------------
 
@@ -92,7 +91,7 @@ def test_parse_method_names_and_fixed_gamma():
         assert parse_method(f"{drafter}:g2") == Method(f"{drafter}:g2", drafter, 2)
     student = "distilled:distilled.student=qwen-student"
     assert parse_method(student) == Method(student, "distilled", None, "distilled.student=qwen-student")
-    assert parse_method(f"{student}:g3").engine == parse_method(student).engine == f"distilled:distilled.student=qwen-student"
+    assert parse_method(f"{student}:g3").engine == parse_method(student).engine == "distilled:distilled.student=qwen-student"
     assert parse_method("layer-skip:layer_skip.k=8:vocab_size=512:g2") == Method(
         "layer-skip:layer_skip.k=8:vocab_size=512:g2", "layer-skip", 2, "layer_skip.k=8:vocab_size=512")
     for bad in ("no-such-drafter", "plain:g2", "ngram:g0", "ngram:4", "plain:vocab_size=8", "ngram:g2:max_n=3"):

@@ -15,17 +15,32 @@ from server.cli import main
 from specdec_core.build import build_engine, load_runner
 from specdec_core.config import Config
 from specdec_core.control import Controller
-from specdec_core.drafters.distilled import (Adapter, AdaptedOutput, DistilledDraftModelDrafter, DistilledDrafter,
-                                             MissingStudentError, load_student)
+from specdec_core.drafters.distilled import (
+    AdaptedOutput,
+    Adapter,
+    DistilledDrafter,
+    DistilledDraftModelDrafter,
+    MissingStudentError,
+    load_student,
+)
 from specdec_core.engine import Engine
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_core.train import loop as loop_module
-from specdec_core.train.distill import final_hidden, first_layers, student_inputs, train_distill
-from specdec_core.train.distill_cli import DistillSettings
+from specdec_tools.train import loop as loop_module
+from specdec_tools.train.distill import (
+    final_hidden,
+    first_layers,
+    student_inputs,
+    train_distill,
+)
+from specdec_tools.train.settings import DistillSettings
 
-from .helpers import decode, greedy_reference, tiny_runner
-from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
+from .helpers import (
+    decode,
+    greedy_reference,
+    single_thread,  # noqa: F401  (autouse: torch on one thread)
+    tiny_runner,
+)
 from .test_exactness import ALPHA, PARAMS, ROWS, VOCAB, exact, generate, pvalues
 from .test_train import CONFIG, DATA, cache, data, runner  # noqa: F401  (fixtures: the tiny target and its feature cache)
 

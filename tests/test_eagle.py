@@ -11,15 +11,34 @@ from specdec_core.config import Config
 from specdec_core.control import Controller
 from specdec_core.drafters.eagle import EagleDrafter, Tree
 from specdec_core.engine import Engine
-from specdec_core.models.eagle_net import EagleNet, MissingEagleError, eagle_dir, load_eagle
+from specdec_core.models.eagle_net import (
+    EagleNet,
+    MissingEagleError,
+    eagle_dir,
+    load_eagle,
+)
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_core.train import eagle as train_eagle
-from specdec_core.train.data import DataSettings, features
+from specdec_tools.train import eagle as train_eagle
+from specdec_tools.train.data import DataSettings, features
 
-from .helpers import decode, greedy_reference, tiny_runner
-from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
-from .test_exactness import ALPHA, PARAMS, PROMPTS, ROWS, TOKENS, VOCAB, exact, generate, pvalues
+from .helpers import (
+    decode,
+    greedy_reference,
+    single_thread,  # noqa: F401  (autouse: torch on one thread)
+    tiny_runner,
+)
+from .test_exactness import (
+    ALPHA,
+    PARAMS,
+    PROMPTS,
+    ROWS,
+    TOKENS,
+    VOCAB,
+    exact,
+    generate,
+    pvalues,
+)
 
 PROMPTS_GREEDY = [[1, 2, 3, 4, 5], [7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17]]
 

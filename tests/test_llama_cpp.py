@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 from server.cli import main
-from specdec_core.bench.llama_cpp import find_tools, parse_completion, parse_speculative
+from specdec_tools.bench.llama_cpp import (
+    find_tools,
+    parse_completion,
+    parse_speculative,
+)
 
 LOGS = Path(__file__).parent / "data" / "llama_cpp"
 
@@ -38,7 +42,7 @@ def test_a_log_without_timings_stops_with_the_log():
 
 
 def test_missing_tools_say_how_to_build_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"python -m specdec_core.bench.llama_cpp build"):
+    with pytest.raises(FileNotFoundError, match=r"python -m specdec_tools.bench.llama_cpp build"):
         find_tools(tmp_path)
     (tmp_path / "bin").mkdir()
     for tool in ("llama-completion", "llama-speculative-simple"):

@@ -25,7 +25,7 @@ from specdec_core.models.medusa_heads import MedusaHeads, MissingHeadsError, def
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_core.tree import children, depths
-from specdec_core.vocab import ReducedVocab
+from specdec_core.models.vocab import ReducedVocab
 
 from .helpers import decode, greedy_reference, tiny_runner
 from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)

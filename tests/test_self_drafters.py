@@ -14,7 +14,6 @@ import torch
 from transformers import DynamicCache
 
 from specdec_core.build import build_drafter, eos_ids
-from specdec_core.calibrate import layer_acceptance
 from specdec_core.config import Config, ModelConfig, SpeculationConfig, with_overrides
 from specdec_core.control import Controller
 from specdec_core.drafters.hybrid import HybridDrafter
@@ -26,12 +25,23 @@ from specdec_core.models.quant import QuantLinear
 from specdec_core.models.runner import BatchCache, ModelRunner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_core.vocab import COUNTS_FILE, ReducedVocab, count_tokens, reduced_vocab
+from specdec_core.models.vocab import COUNTS_FILE, ReducedVocab, count_tokens, reduced_vocab
+from specdec_tools.calibrate import layer_acceptance
 
-from .helpers import decode, full_logits, greedy_reference, tiny_runner
-from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
-from .test_engine import assert_rows_match, run_rows
-from .test_engine import smol_prompts, smol_references, smollm2  # noqa: F401  (fixtures: greedy references, 32 tokens)
+from .helpers import (
+    decode,
+    full_logits,
+    greedy_reference,
+    single_thread,  # noqa: F401  (autouse: torch on one thread)
+    tiny_runner,
+)
+from .test_engine import (  # noqa: F401  (fixtures: greedy references, 32 tokens)
+    assert_rows_match,
+    run_rows,
+    smol_prompts,
+    smol_references,
+    smollm2,
+)
 from .test_exactness import ALPHA, PARAMS, ROWS, VOCAB, exact, generate, pvalues
 
 

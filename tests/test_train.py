@@ -11,14 +11,20 @@ import torch
 from server.cli import main
 from specdec_core.build import load_runner
 from specdec_core.config import Config
-from specdec_core.models.medusa_heads import MedusaHeads, MissingHeadsError, head_logits, load_heads, output_layer
-from specdec_core.train import data as data_module
-from specdec_core.train import loop as loop_module
-from specdec_core.train import medusa as medusa_module
-from specdec_core.train.data import features
-from specdec_core.train.medusa import train_medusa
-from specdec_core.train.settings import DataSettings, TrainSettings
-from specdec_core.vocab import ReducedVocab
+from specdec_core.models.medusa_heads import (
+    MedusaHeads,
+    MissingHeadsError,
+    head_logits,
+    load_heads,
+    output_layer,
+)
+from specdec_core.models.vocab import ReducedVocab
+from specdec_tools.train import data as data_module
+from specdec_tools.train import loop as loop_module
+from specdec_tools.train import medusa as medusa_module
+from specdec_tools.train.data import features
+from specdec_tools.train.medusa import train_medusa
+from specdec_tools.train.settings import DataSettings, TrainSettings
 
 CONFIG = "configs/tiny-random.yaml"
 TARGET = "tiny-random-llama"

@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..models.registry import cache_dir
+from ..models.paths import cache_dir
 from ..models.runner import ModelRunner
-from ..vocab import ReducedVocab
+from ..models.vocab import ReducedVocab
 from .draft_model import DraftModelDrafter
 from .layer_skip import LayerSkipDrafter
 

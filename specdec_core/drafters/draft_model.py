@@ -26,7 +26,7 @@ import torch
 from ..models.runner import BatchCache, ModelRunner
 from ..sampling import adjust_logits, make_generator, running_counts, sample, to_probs
 from ..sequence import Sequence
-from ..vocab import ReducedVocab
+from ..models.vocab import ReducedVocab
 from .base import Drafter, Proposal
 
 

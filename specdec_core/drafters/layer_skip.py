@@ -23,7 +23,7 @@ from the draft's hidden states.
 
 Models not trained for early exit (Llama, Qwen2 as released) predict poorly
 from their early layers, so acceptance climbs only near the top layers; the
-calibration (`python -m specdec_core.calibrate`) measures where, if anywhere,
+calibration (`python -m specdec_tools.calibrate`) measures where, if anywhere,
 that pays.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from ..models.runner import BatchCache, ModelRunner
 from ..sequence import Sequence
-from ..vocab import ReducedVocab
+from ..models.vocab import ReducedVocab
 from .base import Proposal
 from .draft_model import ModelDrafter
 

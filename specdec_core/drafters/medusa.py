@@ -21,7 +21,7 @@ import torch
 from ..models.medusa_heads import MedusaHeads, full_ids, head_logits, output_layer
 from ..models.runner import ModelRunner
 from ..sequence import Sequence
-from ..vocab import ReducedVocab
+from ..models.vocab import ReducedVocab
 from .base import Drafter, Proposal
 
 

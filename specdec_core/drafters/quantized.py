@@ -19,7 +19,7 @@ from torch import nn
 
 from ..models.quant import DEFAULT_GROUP_SIZE, cache_file, quantize_model
 from ..models.runner import ModelRunner
-from ..vocab import ReducedVocab
+from ..models.vocab import ReducedVocab
 from .draft_model import DraftModelDrafter
 
 

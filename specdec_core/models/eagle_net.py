@@ -8,7 +8,7 @@ deeper feeds the draft's own predicted feature back with the token drafted from 
 feature index t sits at rotary position t.
 
 The embedding and the lm_head are the target's own, frozen and never saved. The output layer may
-be the lm_head's rows for a reduced vocabulary (specdec_core/vocab.py): the draft then predicts
+be the lm_head's rows for a reduced vocabulary (specdec_core/models/vocab.py): the draft then predicts
 only over those ids, and exactness is untouched (the target verifies over all of them).
 
 The network keeps its own `BatchCache` (shared slots, a per-row valid mask), so its rows roll
@@ -29,9 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..vocab import ReducedVocab
-from .registry import cache_dir
+from .paths import cache_dir
 from .runner import BatchCache
+from .vocab import ReducedVocab
 
 WEIGHTS_FILE = "eagle.safetensors"
 META_FILE = "eagle.json"

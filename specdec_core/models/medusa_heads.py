@@ -7,7 +7,7 @@ x + SiLU(Linear(x)) with the Linear zero-initialised, so an untrained head is th
 predicts what the target predicts for t+1: training starts from a sensible draft.
 
 The output layer is the target's own frozen lm_head, or its rows for a reduced vocabulary (the
-N most frequent tokens, specdec_core/vocab.py) to cut the cost of 151k-row products on a CPU.
+N most frequent tokens, specdec_core/models/vocab.py) to cut the cost of 151k-row products on a CPU.
 Only the reduced vocabulary's token ids are stored with the heads; the rows themselves are cut
 from the target's lm_head when the heads are loaded.
 
@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..vocab import ReducedVocab
-from .registry import cache_dir
+from .paths import cache_dir
+from .vocab import ReducedVocab
 
 WEIGHTS_FILE = "heads.safetensors"
 META_FILE = "heads.json"

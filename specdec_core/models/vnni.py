@@ -60,7 +60,7 @@ def extension():
         return None
     from torch.utils.cpp_extension import load
 
-    from .registry import cache_dir
+    from .paths import cache_dir
 
     # Under specdec's cache, so that an image built with its weights has the kernel too. torch
     # rebuilds it when the source changes, and skips the build (quietly) when it has not.

@@ -1,4 +1,4 @@
-"""Measurements behind docs/QUANT.md: `python -m specdec_core.models.quant_bench {layers,pass-cost,decode,quality}`.
+"""Measurements behind docs/QUANT.md: `python -m specdec_tools.quant_bench {layers,pass-cost,decode,quality}`.
 
 Every comparison runs its alternatives interleaved in one process (round by round), because this
 project's machines are shared and absolute timings drift; the tables report medians over rounds
@@ -23,16 +23,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..build import build_engine, load_runner
-from ..config import Config, ModelConfig
-from ..engine import Engine
-from ..sampling import SamplingParams
-from ..sequence import Sequence
-from . import vnni
-from .quant import (DEFAULT_GROUP_SIZE, HEAD_WEIGHTS, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantLinear, VnniLinear, cache_file,
-                    quantize_model)
-from .registry import model_dir
-from .runner import BatchCache, ModelRunner
+from specdec_core.build import build_engine, load_runner
+from specdec_core.config import Config, ModelConfig
+from specdec_core.engine import Engine
+from specdec_core.models import vnni
+from specdec_core.models.quant import (
+    DEFAULT_GROUP_SIZE,
+    HEAD_WEIGHTS,
+    INT4_GROUP_SIZES,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+    VnniLinear,
+    cache_file,
+    quantize_model,
+)
+from specdec_core.models.paths import model_dir
+from specdec_core.models.runner import BatchCache, ModelRunner
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence
 
 # Qwen2.5-Coder-1.5B's linear layers: (name, out_features, in_features).
 QWEN_1_5B_LAYERS = [

@@ -17,15 +17,22 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from ..config import DRAFTERS
-from .prompts import Prompt, add_prompts_argument, categories_of, load_prompts, stratified
+from specdec_core.config import DRAFTERS
+
+from .prompts import (
+    Prompt,
+    add_prompts_argument,
+    categories_of,
+    load_prompts,
+    stratified,
+)
 from .stats import PLAIN, interleave
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from specdec_core.config import Config
+
     from .llama_cpp import LlamaCpp
     from .runner import Bench, Method, Run
 
@@ -75,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-cpp", type=Path, metavar="DIR",
         help="add llama.cpp's plain and speculative decoding of the registry's GGUF files as reference rows (greedy, "
-        "batch 1, the config's threads); DIR holds the tools: python -m specdec_core.bench.llama_cpp build DIR",
+        "batch 1, the config's threads); DIR holds the tools: python -m specdec_tools.bench.llama_cpp build DIR",
     )
     parser.add_argument(
         "--threads", type=int,
@@ -156,7 +163,8 @@ class Progress:
 def run_bench(args: argparse.Namespace) -> int:
     import transformers
 
-    from ..config import Config
+    from specdec_core.config import Config
+
     from .plots import draw
     from .report import render
     from .results import controller_checks, records, run_rows
@@ -235,13 +243,15 @@ def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
     """llama.cpp's tools on the GGUF files our registry converted the config's models from."""
     if not args.llama_cpp:
         return None
-    from ..models.registry import REGISTRY, gguf_path
+    from specdec_core.models.catalogue import REGISTRY
+    from specdec_core.models.paths import gguf_path
+
     from .llama_cpp import LlamaCpp, find_tools
 
     def gguf(name: str) -> Path:
         if name not in REGISTRY:
             raise SystemExit(f"specdec bench: --llama-cpp needs registry models (their GGUF files); {name!r} is not one")
-        path = gguf_path(REGISTRY[name])
+        path = gguf_path(REGISTRY[name].gguf_file)
         if not path.is_file():
             raise SystemExit(f"specdec bench: {path} is missing; run: specdec pull {name}")
         return path

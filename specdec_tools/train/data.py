@@ -4,7 +4,7 @@ Text (never the Spec-Bench questions, which must not tune a drafter):
 
 - answers: the prompts in ``prompts.txt`` (written for this project) through the target's chat
   template, each followed by the target's own answer, generated with the engine (plain decoding);
-- corpus: Python's standard library sources and pydoc topics (``specdec_core.vocab.corpus``),
+- corpus: Python's standard library sources and pydoc topics (``specdec_core.models.vocab.corpus``),
   cut at line ends into pieces of about one sequence, drawn in a seeded random order until they
   fill the token budget the answers leave.
 
@@ -38,19 +38,20 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
-from importlib import resources
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..models.registry import cache_dir
-from ..models.runner import ModelRunner
-from ..vocab import corpus
+from specdec_core.models.paths import cache_dir
+from specdec_core.models.runner import ModelRunner
+from specdec_core.models.vocab import corpus
+
 from .settings import DataSettings
 
 log = logging.getLogger("specdec")
@@ -136,11 +137,11 @@ def chat_prompt_ids(runner: ModelRunner, prompt: str) -> list[int]:
 
 def answer_prompts(runner: ModelRunner, texts: list[str], settings: DataSettings, progress: bool = True) -> list[list[int]]:
     """Each prompt (chat-framed) followed by the target's own answer, decoded plainly in batches."""
-    from ..build import eos_ids
-    from ..control import Controller
-    from ..engine import Engine
-    from ..sampling import SamplingParams
-    from ..sequence import Sequence
+    from specdec_core.build import eos_ids
+    from specdec_core.control import Controller
+    from specdec_core.engine import Engine
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.sequence import Sequence
 
     engine = Engine(runner, None, Controller(gamma_max=1), eos_ids(runner))
     answered = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from .arguments import add_common_arguments, data_settings
 from .settings import EagleSettings
 
 DEFAULTS = EagleSettings()
@@ -12,8 +13,6 @@ DEFAULTS = EagleSettings()
 
 def add_arguments(trainers) -> None:
     """`eagle` as a subcommand of `specdec train` (`trainers`: the train command's subparsers)."""
-    from .cli import add_common_arguments
-
     p = trainers.add_parser("eagle", help="the EAGLE draft network by self-distillation (target frozen)")
     add_common_arguments(p, "eagle", DEFAULTS.epochs, DEFAULTS.lr)
     p.add_argument("--batch-sequences", type=int, default=DEFAULTS.batch_sequences, help="sequences per step")
@@ -21,11 +20,11 @@ def add_arguments(trainers) -> None:
 
 
 def eagle_command(args) -> int:
-    from ..build import load_runner, registry_dir
-    from ..config import Config
-    from ..models.eagle_net import eagle_dir
-    from ..vocab import reduced_vocab
-    from .cli import data_settings
+    from specdec_core.build import load_runner, registry_dir
+    from specdec_core.config import Config
+    from specdec_core.models.eagle_net import eagle_dir
+    from specdec_core.models.vocab import reduced_vocab
+
     from .data import features
     from .eagle import train
 

@@ -44,3 +44,18 @@ class EagleSettings:
     save_every: int = 50  # batches between checkpoints
     depth: int = 5  # held-out chain length
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """How a student is distilled (the data is `DataSettings`)."""
+
+    k: int  # frozen target layers under the adapter (a layer-skip student; 0 for a draft-model student)
+    width: int = 1024  # the adapter's inner width
+    epochs: int = 2
+    batch_size: int = 256  # positions per step
+    lr: float = 1e-3
+    weight_decay: float = 0.01  # AdamW's default
+    temperature: float = 1.0  # T of the softened distributions
+    checkpoint_every: int = 100  # steps
+    seed: int = 0

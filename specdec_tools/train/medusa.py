@@ -19,8 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.medusa_heads import MedusaHeads, full_ids, head_logits, heads_dir, output_layer, save_heads
-from ..vocab import ReducedVocab
+from specdec_core.models.medusa_heads import (
+    MedusaHeads,
+    full_ids,
+    head_logits,
+    heads_dir,
+    output_layer,
+    save_heads,
+)
+from specdec_core.models.vocab import ReducedVocab
+
 from .data import Features, FeatureSplit
 from .loop import CHECKPOINT_FILE, fit
 from .settings import TrainSettings

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .models.quant import QuantLinear
+from .quant import QuantLinear
 
 log = logging.getLogger("specdec")
 

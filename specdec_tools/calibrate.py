@@ -3,7 +3,7 @@
     specdec calibrate --config CFG                    # pick speculation.layer_skip.k
     specdec calibrate --config CFG --drafters layer-skip:layer_skip.k=20,quantized,hybrid
 
-(`python -m specdec_core.calibrate` is the same command.)
+(`python -m specdec_tools.calibrate` is the same command.)
 
 Picking k takes two stages. First, for every k at once: the acceptance a
 k-layer draft gets, from one forward with hidden states over each prompt and
@@ -33,18 +33,19 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import theory
+from specdec_core import theory
+from specdec_core.config import Config, with_overrides
+
 from .bench.prompts import add_prompts_argument, encode, load_prompts, stratified
-from .config import Config, with_overrides
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from .drafters.layer_skip import LayerSkipDrafter
-    from .engine import Engine
-    from .models.runner import ModelRunner
-    from .sampling import SamplingParams
+    from specdec_core.drafters.layer_skip import LayerSkipDrafter
+    from specdec_core.engine import Engine
+    from specdec_core.models.runner import ModelRunner
+    from specdec_core.sampling import SamplingParams
 
 # server/cli.py imports this module to build its parser: torch, numpy and the models are imported
 # only when a calibration runs, so other commands start fast.
@@ -83,7 +84,7 @@ class Tally:
 
 def decode_one(engine: Engine, prompt: list[int], params: SamplingParams, max_tokens: int, tally: Tally) -> list[int]:
     """Decode one prompt alone; add its figures to `tally`; return the tokens it generated."""
-    from .sequence import Sequence
+    from specdec_core.sequence import Sequence
 
     seq = Sequence("calibrate", prompt, params, max_tokens)
     start = time.perf_counter()
@@ -104,7 +105,7 @@ def decode_one(engine: Engine, prompt: list[int], params: SamplingParams, max_to
 
 def measure(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: int, temperature: float) -> dict[str, dict]:
     """Every engine over every prompt, each run between two plain runs; figures per label (PLAIN included)."""
-    from .sampling import SamplingParams
+    from specdec_core.sampling import SamplingParams
 
     tallies = {label: Tally() for label in engines}
     plain = engines[PLAIN]
@@ -135,7 +136,7 @@ def layer_acceptance(drafter: LayerSkipDrafter, prompt: list[int], output: list[
     """[L]: acceptance of a k-layer draft (k = 1..L) at each position of the target's own continuation."""
     import torch
 
-    from .sampling import SamplingParams, to_probs
+    from specdec_core.sampling import SamplingParams, to_probs
 
     target = drafter.target
     with torch.no_grad():
@@ -200,8 +201,8 @@ def calibrate(config: Config, target: ModelRunner, prompts: list[list[int]], max
     """
     import torch
 
-    from .build import build_drafter, build_engine
-    from .sampling import SamplingParams
+    from specdec_core.build import build_drafter, build_engine
+    from specdec_core.sampling import SamplingParams
 
     plain = build_engine(config, drafter="none", target=target)
     drafter = build_drafter(config, target, "layer-skip")  # with the configured vocabulary and early exit
@@ -238,7 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .build import build_engine, load_runner
+    from specdec_core.build import build_engine, load_runner
 
     config = Config.load(args.config)
     if args.threads:
@@ -258,6 +259,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m specdec_core.calibrate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec_tools.calibrate", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -33,9 +33,10 @@ from torch.nn import functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ..models.eagle_net import EagleNet
-from ..models.runner import ModelRunner
-from ..vocab import ReducedVocab
+from specdec_core.models.eagle_net import EagleNet
+from specdec_core.models.runner import ModelRunner
+from specdec_core.models.vocab import ReducedVocab
+
 from .data import Features, FeatureSplit
 from .settings import EagleSettings
 

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .distill_cli import DistillSettings
-from .settings import TrainSettings
+from .settings import DistillSettings, TrainSettings
 
 log = logging.getLogger("specdec")
 

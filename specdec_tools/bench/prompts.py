@@ -8,7 +8,6 @@ Other files may give a `prompt` string instead; a missing category is "default".
 from __future__ import annotations
 
 import argparse
-
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass

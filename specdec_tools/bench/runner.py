@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from ..build import build_engine
-from ..config import DRAFTERS, Config, with_overrides
-from ..control import Controller
-from ..engine import Engine, StepReport
-from ..models.runner import ModelRunner
-from ..sampling import SamplingParams
-from ..sequence import Sequence as Seq
+from specdec_core.build import build_engine
+from specdec_core.config import DRAFTERS, Config, with_overrides
+from specdec_core.control import Controller
+from specdec_core.engine import Engine, StepReport
+from specdec_core.models.runner import ModelRunner
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence as Seq
+
 from .llama_cpp import LlamaCpp
 from .prompts import Prompt, chat_text, encode
 from .stats import PLAIN, adjacent_ratios, interleave

@@ -36,13 +36,14 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from ..drafters.distilled import Adapter, save_student, student_dir
-from ..models.medusa_heads import full_ids, output_layer
-from ..models.runner import ModelRunner
-from ..vocab import ReducedVocab
+from specdec_core.drafters.distilled import Adapter, save_student, student_dir
+from specdec_core.models.medusa_heads import full_ids, output_layer
+from specdec_core.models.runner import ModelRunner
+from specdec_core.models.vocab import ReducedVocab
+
 from .data import Features, _save_atomic
-from .distill_cli import DistillSettings
 from .loop import CHECKPOINT_FILE, fit
+from .settings import DistillSettings
 
 EVAL_BATCH = 256
 

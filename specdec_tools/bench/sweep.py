@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.draft_model import DraftModelDrafter
-from ..models.runner import ModelRunner
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.models.runner import ModelRunner
+
 from .prompts import Prompt
 from .runner import Bench, Method, Run, run_block
 

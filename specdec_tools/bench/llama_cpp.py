@@ -1,6 +1,6 @@
 """llama.cpp as reference rows in `specdec bench --llama-cpp DIR`: the peer to beat on CPUs.
 
-    python -m specdec_core.bench.llama_cpp build DIR    # once: pinned sdist -> DIR/bin/llama-*
+    python -m specdec_tools.bench.llama_cpp build DIR    # once: pinned sdist -> DIR/bin/llama-*
 
 The tools are built from the llama.cpp source vendored in the llama-cpp-python
 sdist on PyPI (pinned by hash; nothing is installed or committed). GCC 12's
@@ -67,7 +67,7 @@ def find_tools(directory: Path) -> Path:
             return candidate
     raise FileNotFoundError(
         f"no llama.cpp tools ({', '.join(TOOLS[:2])}) in {directory} or {directory / 'bin'}; "
-        f"build them with: python -m specdec_core.bench.llama_cpp build {directory}"
+        f"build them with: python -m specdec_tools.bench.llama_cpp build {directory}"
     )
 
 
@@ -147,7 +147,7 @@ class LlamaCpp:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec_core.bench.llama_cpp", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec_tools.bench.llama_cpp", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build_parser = commands.add_parser("build", help="build llama.cpp's tools from the pinned PyPI sdist")
     build_parser.add_argument("dest", type=Path, help="directory to put bin/ in")

@@ -1,31 +1,17 @@
-"""`specdec train distill`: its settings (plain data, importable without torch: the CLI's parser reads their
-defaults), its arguments and its command. The trainer is train/distill.py."""
+"""`specdec train distill`: its arguments and its command. The trainer is train/distill.py."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class DistillSettings:
-    k: int  # frozen target layers under the adapter (a layer-skip student; 0 for a draft-model student)
-    width: int = 1024  # the adapter's inner width
-    epochs: int = 2
-    batch_size: int = 256  # positions per step
-    lr: float = 1e-3
-    weight_decay: float = 0.01  # AdamW's default
-    temperature: float = 1.0  # T of the softened distributions
-    checkpoint_every: int = 100  # steps
-    seed: int = 0
+from .arguments import add_common_arguments, data_settings
+from .settings import DistillSettings
 
 
 def add_arguments(trainers) -> None:
     """`distill` as a subcommand of `specdec train` (`trainers`: the train command's subparsers)."""
-    from .cli import add_common_arguments
-
     defaults = DistillSettings(k=0)
     p = trainers.add_parser("distill", help="a student drafter distilled toward the target (target frozen)")
     add_common_arguments(p, "students", defaults.epochs, defaults.lr)
@@ -42,7 +28,7 @@ def add_arguments(trainers) -> None:
 def parse_student(student: str, config, num_layers: int) -> tuple[int, str | None]:
     """(k, draft model) of a `--student` value: layer-skip[:K] (K defaulting to the config's layer_skip.k, else
     layer skip's default) gives (K, None); draft-model[:NAME] (NAME defaulting to the config's draft model), (0, NAME)."""
-    from ..drafters.layer_skip import default_k
+    from specdec_core.drafters.layer_skip import default_k
 
     kind, _, value = student.partition(":")
     if kind == "layer-skip":
@@ -57,11 +43,11 @@ def parse_student(student: str, config, num_layers: int) -> tuple[int, str | Non
 
 
 def distill_command(args: argparse.Namespace) -> int:
-    from ..build import draft_runner, load_runner, registry_dir
-    from ..config import Config
-    from ..drafters.distilled import default_student_name, student_dir
-    from ..vocab import reduced_vocab
-    from .cli import data_settings
+    from specdec_core.build import draft_runner, load_runner, registry_dir
+    from specdec_core.config import Config
+    from specdec_core.drafters.distilled import default_student_name, student_dir
+    from specdec_core.models.vocab import reduced_vocab
+
     from .data import features
     from .distill import train_distill
 

@@ -1,6 +1,6 @@
 """docs/BENCHMARKS.md, generated from bench runs' results.json and report.md: no figure typed by hand.
 
-    python -m specdec_core.bench.docs --notes docs/benchmarks/NOTES.md --out docs/BENCHMARKS.md docs/benchmarks/RUN...
+    python -m specdec_tools.bench.docs --notes docs/benchmarks/NOTES.md --out docs/BENCHMARKS.md docs/benchmarks/RUN...
 
 The page is: the notes (prose about the runs, without figures), one summary
 table of every drafter at batch 1 across the runs, the adaptive controller's
@@ -73,7 +73,7 @@ def render(notes: str, runs: dict[Path, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec_core.bench.docs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec_tools.bench.docs", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench output directories, in the order to show them")
     parser.add_argument("--notes", type=Path, required=True, help="markdown that opens the page: what was run and why")
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))

