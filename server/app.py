@@ -23,18 +23,20 @@ from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec_core.build import build_engine
-from specdec_core.config import Config, ServerConfig
 
+from .guard import Guard
+from .keys import ApiKeys, load_keys
 from .metrics import Metrics, RequestCounter
+from .rate_limit import RateLimiter
 from .routes import router
 from .scheduler import Scheduler
 from .schemas import APIError, internal_error, validation_error
-from .security import ApiKeys, Guard, RateLimiter, load_keys
+from .settings import ServeConfig, ServerConfig
 
 log = logging.getLogger("specdec.server")
 
 
-def create_app(config: Config, drafter: str | None = None) -> FastAPI:
+def create_app(config: ServeConfig, drafter: str | None = None) -> FastAPI:
     """An app serving `config`'s target (with `drafter` overriding the config's); models load on startup."""
     metrics = Metrics()
     scheduler = Scheduler(lambda: build_engine(config, drafter=drafter), config.server, metrics)
@@ -189,7 +191,7 @@ class DrainingServer(uvicorn.Server):
 def serve(config_path: str, host: str | None = None, port: int | None = None, drafter: str | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean exit, 1 when the models failed to load."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = Config.load(config_path)
+    config = ServeConfig.load(config_path)
     app = create_app(config, drafter=drafter)
     scheduler: Scheduler = app.state.scheduler
     settings = config.server

@@ -20,10 +20,18 @@ from sse_starlette import EventSourceResponse
 from specdec_core.sequence import Sequence
 
 from .metrics import CLIENT_CLOSED
+from .rate_limit import MeteredJob
+from .request_limits import check_prompt_tokens, check_request
 from .responses import ChatFormat, CompletionFormat, Envelope, Format, collect, stream
 from .scheduler import Choice, Job, ModelInfo, Scheduler
-from .schemas import ERROR_RESPONSES, APIError, ChatRequest, CompletionRequest, SamplingRequest, prompt_items
-from .security import MeteredJob, check_prompt_tokens, check_request
+from .schemas import (
+    ERROR_RESPONSES,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    SamplingRequest,
+    prompt_items,
+)
 
 router = APIRouter(responses=ERROR_RESPONSES)
 # One thread: the event loop stays free, and its tokenizer copy is never used by two threads at once.

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec_core.config import ServerConfig
 from specdec_core.engine import Engine
 from specdec_core.sequence import Sequence, SpecStats
 
 from .detokenize import Piece, TextOutput
 from .metrics import Metrics
 from .schemas import APIError, internal_error
+from .settings import ServerConfig
 
 log = logging.getLogger("specdec.server")
 

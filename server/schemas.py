@@ -161,7 +161,7 @@ class SamplingRequest(Schema):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)  # upper bounds of n, stop and top_logprobs: config (security.limits), server/security.py
+    n: int = Field(1, ge=1)  # upper bounds of n, stop and top_logprobs: config (security.limits), server/request_limits.py
     stream: bool = False
     stream_options: StreamOptions = Field(default_factory=StreamOptions)
     stop: Annotated[list[Text], BeforeValidator(_as_list)] = Field(default_factory=list)

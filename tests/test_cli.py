@@ -89,6 +89,18 @@ def test_calibrate_measures_drafters_against_plain_decoding(capsys, prompts_file
 
 @pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path: Path):
+    """Every section of every shipped config, the server's too, and no unknown ones."""
+    from server.settings import ServeConfig
+
+    ServeConfig.load(path)
+
+
+def test_the_server_rejects_an_unknown_section_the_runtime_leaves_alone(tmp_path: Path):
+    from server.settings import ServeConfig
     from specdec_core.config import Config
 
-    Config.load(path)
+    path = tmp_path / "typo.yaml"
+    path.write_text("model: {target: tiny-random-llama}\nservr: {port: 1}\n")
+    assert Config.load(path).model.target == "tiny-random-llama"
+    with pytest.raises(ValueError, match="servr"):
+        ServeConfig.load(path)

@@ -30,7 +30,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec_core.config import Config, ServerConfig
+from server.settings import ServeConfig, ServerConfig
 from tests.test_faults import free_port, spawned, wait_until
 from tests.test_server import MODEL, NO_EOS, ROOT, make_config, running
 
@@ -224,7 +224,7 @@ def exposed(url: str) -> set[str]:
 BUDGET = 6  # requests per minute
 
 
-def replica() -> Config:
+def replica() -> ServeConfig:
     """A speculating server whose per-client budget runs out within `traffic`."""
     return make_config(speculation={"gamma": 2}, security={"rate_limit": {"requests_per_minute": BUDGET}})
 
@@ -303,7 +303,7 @@ def test_kubernetes_manifests_agree_with_the_server():
     docs = {(doc["kind"], doc["metadata"]["name"]): doc for doc in manifests()}
     pod = docs["Deployment", "specdec"]["spec"]["template"]
     (container,) = pod["spec"]["containers"]
-    config = Config.model_validate(yaml.safe_load(docs["ConfigMap", "specdec-config"]["data"]["config.yaml"]))
+    config = ServeConfig.model_validate(yaml.safe_load(docs["ConfigMap", "specdec-config"]["data"]["config.yaml"]))
     assert container["readinessProbe"]["httpGet"]["path"] == container["startupProbe"]["httpGet"]["path"] == "/health"
     assert "httpGet" not in container["livenessProbe"]  # /health is 503 while draining: no restarts for that
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])

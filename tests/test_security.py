@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from server.security import API_KEY_ENV
-from specdec_core.config import Config
+from server.keys import API_KEY_ENV
+from server.settings import ServeConfig
 from specdec_core.models.catalogue import REGISTRY
 from tests.test_server import (
     MODEL,
@@ -58,7 +58,7 @@ def refilled(served: Served) -> Served:
 
 
 @contextmanager
-def serving(config: Config, environ: dict[str, str] | None = None) -> Iterator[Served]:
+def serving(config: ServeConfig, environ: dict[str, str] | None = None) -> Iterator[Served]:
     """running(config) with the limiter on a hand-moved clock; environ is set only while the app is made."""
     with ExitStack() as stack:
         with pytest.MonkeyPatch.context() as patch:
@@ -221,7 +221,7 @@ def test_no_key_material_in_logs_or_metrics(guarded):
 
 
 def test_wrong_keys_are_rate_limited_per_address(guarded):
-    budget = Config().security.rate_limit.wrong_keys_per_minute
+    budget = ServeConfig().security.rate_limit.wrong_keys_per_minute
     statuses = [httpx.get(f"{guarded.url}/v1/models", headers=bearer(WRONG_KEY)).status_code for _ in range(budget + 1)]
     assert statuses == [401] * budget + [429]
     # Once the guesses are spent the address waits, whatever key it sends: a right guess is not told apart.
@@ -375,7 +375,7 @@ def test_metrics_on_their_own_port():
 
 @pytest.mark.real_model
 def test_serving_a_registry_model_imports_nothing_from_its_wheels(smollm2_dir):
-    config = Config.model_validate({
+    config = ServeConfig.model_validate({
         "model": {"target": "smollm2-135m", "dtype": "fp32", "threads": 1}, "speculation": {"drafter": "ngram"},
     })
     with running(config) as served:

@@ -25,8 +25,8 @@ import yaml
 from fastapi import FastAPI
 
 from server.app import DrainingServer, create_app, server_config
+from server.settings import ServeConfig
 from specdec_core.build import build_engine
-from specdec_core.config import Config
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -36,13 +36,13 @@ EOS = 2  # the tiny tokenizer's <|im_end|>
 NO_EOS = {str(EOS): -100}  # keeps the tiny model talking until max_tokens
 
 
-def make_config(base: str = "configs/tiny-random.yaml", **sections: dict) -> Config:
+def make_config(base: str = "configs/tiny-random.yaml", **sections: dict) -> ServeConfig:
     """A config from a YAML file with some section fields replaced; one torch thread keeps small models fast on shared CPUs."""
     data = yaml.safe_load((ROOT / base).read_text())
     data.setdefault("model", {})["threads"] = 1
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
-    return Config.model_validate(data)
+    return ServeConfig.model_validate(data)
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Served:
 
 
 @contextmanager
-def running(config: Config, wait_ready: bool = True) -> Iterator[Served]:
+def running(config: ServeConfig, wait_ready: bool = True) -> Iterator[Served]:
     """A real uvicorn server in a thread on a free loopback port, until the block ends."""
     app = create_app(config)
     sock = socket.socket()
@@ -506,7 +506,7 @@ def test_sigterm_cancels_what_outlasts_the_grace():
 
 @pytest.mark.real_model
 def test_greedy_completions_equal_plain_greedy_decoding(smollm2_dir):
-    config = Config.model_validate({
+    config = ServeConfig.model_validate({
         "model": {"target": "smollm2-135m", "dtype": "fp32", "threads": 1},
         "speculation": {"drafter": "ngram"},
         "server": {"max_batch_size": 4},
