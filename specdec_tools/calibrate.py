@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from specdec_core.models.runner import ModelRunner
     from specdec_core.sampling import SamplingParams
 
-# server/cli.py imports this module to build its parser: torch, numpy and the models are imported
+# specdec_cli/main.py imports this module to build its parser: torch, numpy and the models are imported
 # only when a calibration runs, so other commands start fast.
 
 PLAIN = "plain"

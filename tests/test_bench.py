@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from server.cli import main
+from specdec_cli.main import main
 from specdec_tools.bench.docs import main as docs_main
 from specdec_tools.bench.prompts import Prompt, load_prompts, stratified
 from specdec_tools.bench.results import controller_checks, records

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import main
+from specdec_cli.main import main
 from specdec_core import theory
 
 TINY_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-random.yaml")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from server.cli import main
+from specdec_cli.main import main
 from specdec_core.build import build_engine, load_runner
 from specdec_core.config import Config
 from specdec_core.control import Controller

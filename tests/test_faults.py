@@ -87,8 +87,8 @@ def serve_subprocess(tmp_path: Path, **server: object) -> Iterator[tuple[subproc
     config.write_text(yaml.safe_dump(data))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    # `python -m server.cli` is the `specdec` entry point, run by this interpreter.
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--config", str(config), "--port", str(port)]
+    # `python -m specdec_cli` is the `specdec` entry point, run by this interpreter.
+    cmd = [sys.executable, "-m", "specdec_cli", "serve", "--config", str(config), "--port", str(port)]
     with spawned(cmd, f"{url}/health", tmp_path / "server.log") as proc:
         yield proc, url
 

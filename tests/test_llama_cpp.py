@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import main
+from specdec_cli.main import main
 from specdec_tools.bench.llama_cpp import (
     find_tools,
     parse_completion,

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from server.cli import main
+from specdec_cli.main import main
 from specdec_core.build import load_runner
 from specdec_core.config import Config
 from specdec_core.models.medusa_heads import (

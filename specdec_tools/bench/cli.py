@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .llama_cpp import LlamaCpp
     from .runner import Bench, Method, Run
 
-# server/cli.py imports this module to build its parser: torch, transformers and
+# specdec_cli/main.py imports this module to build its parser: torch, transformers and
 # tqdm are imported only when a bench actually runs, so other commands start fast.
 
 WARMUP_TOKENS = 16

@@ -1,6 +1,6 @@
 """`specdec train TRAINER ...`: one subcommand per trainer, each in its own `*_cli.py`.
 
-Each trainer adds its own subparser in `add_arguments` and sets `func`, which `server/cli.py` calls.
+Each trainer adds its own subparser in `add_arguments` and sets `func`, which `specdec_cli/main.py` calls.
 """
 
 from __future__ import annotations

@@ -177,10 +177,16 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+TOOLS_EXTRA = ("matplotlib", "scipy")  # pyproject.toml's tools extra: what bench, calibrate and train need beyond serving
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in TOOLS_EXTRA:
+            raise
+        raise SystemExit(f"specdec {args.command}: needs {error.name}, from the tools extra; install it with "
+                         "pip install '.[tools]' -c constraints.txt") from error
 
-
-if __name__ == "__main__":
-    sys.exit(main())
