@@ -100,7 +100,7 @@ def save_artifact(kind: ArtifactKind, directory: str | Path, tensors: dict[str, 
                   vocab: ReducedVocab | None = None) -> dict:
     """Save `tensors` (and `vocab`'s ids) and `meta` (and the vocabulary's sizes) as the artifact `directory`,
     replacing what was there; the JSON's dict. Refuses a directory holding files of something else."""
-    directory = Path(directory)
+    directory = Path(directory).absolute()  # "." too has a name to put the new directory beside
     if vocab is not None:
         tensors = {**tensors, VOCAB_KEY: vocab.ids.cpu().contiguous()}
     meta = {**meta, "vocab_size": None if vocab is None else vocab.size,
