@@ -9,6 +9,10 @@ own and leaves the target's cache as a fresh prefill would make it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -269,6 +273,13 @@ def test_each_registered_name_has_a_factory_and_an_unknown_name_lists_them():
     assert all(callable(factory(name)) for name in REGISTRY)
     with pytest.raises(ValueError, match=f"unknown drafter 'nope'; choose one of {', '.join(DRAFTERS)}"):
         factory("nope")
+
+
+def test_the_drafter_names_come_without_torch():
+    # The registry imports a drafter's module only to build it: the config and the CLI's parsers read names only.
+    code = ("import argparse, sys; import specdec_core.config; from specdec_tools.bench.cli import add_arguments; "
+            "add_arguments(argparse.ArgumentParser()); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 # -- SmolLM2-135M in float32 ----------------------------------------------------
