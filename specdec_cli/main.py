@@ -90,7 +90,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
 def pull_command(args: argparse.Namespace) -> int:
     """Pull each model and print its path; with --weights, also quantize it and cache the packed weights,
     so that a start loads them directly. Exit code 1 on the first error."""
-    from specdec_core.build import load_runner
+    from specdec_core.models.loading import load_runner
     from specdec_core.config import ModelConfig
     from specdec_core.models.catalogue import RegistryError
     from specdec_core.models.registry import pull

@@ -11,8 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DRAFTERS = ("none", "draft-model", "ngram", "layer-skip", "quantized", "hybrid", "medusa", "eagle", "distilled")
-MODEL_DRAFTERS = ("layer-skip", "draft-model", "quantized")  # drafters that run a model: the hybrid's choices
+from .drafters.registry import DRAFTERS, MODEL_DRAFTERS
 
 
 class Section(BaseModel):

@@ -239,7 +239,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdec_core.build import build_engine, load_runner
+    from specdec_core.build import build_engine
+    from specdec_core.models.loading import load_runner
 
     config = Config.load(args.config)
     if args.threads:

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec_core.build import build_engine, load_runner
+from specdec_core.build import build_engine
 from specdec_core.config import Config, ModelConfig
 from specdec_core.engine import Engine
 from specdec_core.models import vnni
+from specdec_core.models.loading import load_runner
 from specdec_core.models.quant import (
     DEFAULT_GROUP_SIZE,
     HEAD_WEIGHTS,

@@ -12,18 +12,14 @@ import pytest
 import torch
 
 from specdec_cli.main import main
-from specdec_core.build import build_engine, load_runner
+from specdec_core.build import build_engine
 from specdec_core.config import Config
 from specdec_core.control import Controller
-from specdec_core.drafters.distilled import (
-    AdaptedOutput,
-    Adapter,
-    DistilledDrafter,
-    DistilledDraftModelDrafter,
-    MissingStudentError,
-    load_student,
-)
+from specdec_core.drafters.distilled import AdaptedOutput, Adapter, DistilledDrafter, load_student
+from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import Engine
+from specdec_core.models.artifacts import MissingArtifactError
+from specdec_core.models.loading import load_runner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_tools.train import loop as loop_module
@@ -121,7 +117,7 @@ def test_greedy_through_the_student_equals_plain_greedy(runner, trained):
 
 def test_greedy_through_the_draft_model_student_equals_plain_greedy(runner, data, draft_trained):
     drafter = build_engine(distilled_config("tiny-draft-student"), target=runner).drafter
-    assert isinstance(drafter, DistilledDraftModelDrafter)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.name == "distilled"
     assert isinstance(drafter.runner.model.get_output_embeddings(), AdaptedOutput)
     # Prompts from held-out text: where the student learned to agree with the target.
     starts = (data.heldout.lengths.cumsum(0) - data.heldout.lengths)[: len(PROMPTS)].tolist()
@@ -145,7 +141,7 @@ def test_sampling_through_the_draft_model_student_is_distributed_as_the_target(s
     target, draft = tiny_runner(seed=0, vocab=VOCAB), tiny_runner(seed=0, vocab=VOCAB)
     adapter = random_adapter(draft.config.hidden_size, 0.3, seed=4)
     draft.model.set_output_embeddings(AdaptedOutput(adapter, draft.model.get_output_embeddings()))
-    drafter = DistilledDraftModelDrafter(draft, target.vocab_size)
+    drafter = DraftModelDrafter(draft, target.vocab_size)
     prompt, params = [1, 2, 3, 4, 5], PARAMS[setting]
     tokens, seqs = generate(target, drafter, prompt, params, ROWS)
     kept = sum(seq.stats.accepted_tokens for seq in seqs) / sum(seq.stats.draft_tokens for seq in seqs)
@@ -186,10 +182,9 @@ def test_cli_trains_a_draft_model_student(data, capsys):
     assert f"draft model {DRAFT} + adapter" in capsys.readouterr().out
     _, meta, _ = load_student("tiny-random-llama-distilled-draft", "tiny-random-llama")
     assert meta["student"] == {"kind": "draft-model", "model": DRAFT}
-    assert isinstance(build_engine(distilled_config("tiny-random-llama-distilled-draft")).drafter,
-                      DistilledDraftModelDrafter)
+    assert isinstance(build_engine(distilled_config("tiny-random-llama-distilled-draft")).drafter, DraftModelDrafter)
 
 
 def test_missing_student_says_how_to_train_it(cache):
-    with pytest.raises(MissingStudentError, match=r"specdec train distill .*--out never-trained"):
+    with pytest.raises(MissingArtifactError, match=r"specdec train distill .*--out never-trained"):
         build_engine(distilled_config("never-trained"))

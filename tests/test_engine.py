@@ -13,12 +13,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core.build import TokenizerMismatch, build_engine, check_same_tokenizer, eos_ids, load_runner
+from specdec_core.build import build_engine
 from specdec_core.config import Config, ModelConfig, SpeculationConfig
 from specdec_core.control import Controller
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine, StepReport
+from specdec_core.models.loading import TokenizerMismatch, check_same_tokenizer, eos_ids, load_runner
 from specdec_core.models.runner import ModelRunner, load_model
 from specdec_core.models.tiny import tiny_tokenizer
 from specdec_core.sampling import SamplingParams

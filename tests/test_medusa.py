@@ -21,7 +21,8 @@ from specdec_core.config import Config
 from specdec_core.control import Controller
 from specdec_core.drafters.medusa import MedusaDrafter, candidate_tree
 from specdec_core.engine import Engine
-from specdec_core.models.medusa_heads import MedusaHeads, MissingHeadsError, default_heads_name, heads_dir, save_heads
+from specdec_core.models.artifacts import HEADS, MissingArtifactError, artifact_dir
+from specdec_core.models.medusa_heads import MedusaHeads, save_heads
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_core.tree import children, depths
@@ -145,10 +146,10 @@ def medusa_config(target: str, heads: str, dtype: str = "fp32") -> Config:
 
 def test_missing_heads_say_how_to_train_them(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    with pytest.raises(MissingHeadsError, match=r"specdec train medusa .*--out never-trained"):
+    with pytest.raises(MissingArtifactError, match=r"specdec train medusa .*--out never-trained"):
         build_engine(medusa_config("tiny-random-llama", "never-trained"))
     save_heads(MedusaHeads(64, 2), tmp_path / "heads" / "for-qwen", {"target": "tiny-random-qwen2"})
-    with pytest.raises(MissingHeadsError, match=r"tiny-random-qwen2.*specdec train medusa"):
+    with pytest.raises(MissingArtifactError, match=r"tiny-random-qwen2.*specdec train medusa"):
         build_engine(medusa_config("tiny-random-llama", "for-qwen"))
 
 
@@ -160,8 +161,8 @@ def decode_greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> 
 
 def test_smollm2_greedy_equals_plain(smollm2_dir, tmp_path):
     """SmolLM2-135M in fp32 with its trained heads when they exist, else untrained ones saved here."""
-    name = default_heads_name("smollm2-135m")
-    if not (heads_dir(name) / "heads.json").is_file():
+    name = HEADS.default_name("smollm2-135m")
+    if not (artifact_dir(HEADS, name) / "heads.json").is_file():
         name = str(tmp_path)
         save_heads(perturbed_heads(576, 3, 0.01, seed=4), name, {"target": "smollm2-135m"})
     engine = build_engine(medusa_config("smollm2-135m", name))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from specdec_core.build import load_runner
+from specdec_core.models.loading import load_runner
 from specdec_core.config import ModelConfig
 from specdec_core.control import Controller
 from specdec_core.drafters.draft_model import DraftModelDrafter

@@ -131,9 +131,9 @@ def test_pull_imports_nothing_from_weight_distributions(smollm2_dir):
 @pytest.mark.real_model
 def test_pull_with_weights_packs_them_for_the_first_start(smollm2_dir, capsys, monkeypatch):
     from specdec_cli.main import main
-    from specdec_core.build import load_runner
     from specdec_core.config import ModelConfig
     from specdec_core.models import quant
+    from specdec_core.models.loading import load_runner
 
     assert main(["pull", "smollm2-135m", "--weights", "int8"]) == 0
     assert "int8 weights packed and cached" in capsys.readouterr().out

@@ -9,18 +9,25 @@ own and leaves the target's cache as a fresh prefill would make it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from specdec_core.build import build_drafter, eos_ids
-from specdec_core.config import Config, ModelConfig, SpeculationConfig, with_overrides
+from specdec_core.build import build_drafter
+from specdec_core.config import DRAFTERS, Config, ModelConfig, SpeculationConfig, with_overrides
 from specdec_core.control import Controller
 from specdec_core.drafters.hybrid import HybridDrafter
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
 from specdec_core.drafters.ngram import NgramDrafter, lookup
-from specdec_core.drafters.quantized import QuantizedDrafter, quantized_copy
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.drafters.quantized import quantized_copy
+from specdec_core.drafters.registry import NO_DRAFTER, REGISTRY, factory
 from specdec_core.engine import Engine
+from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.quant import QuantLinear
 from specdec_core.models.runner import BatchCache, ModelRunner
 from specdec_core.sampling import SamplingParams
@@ -64,7 +71,7 @@ DISTRIBUTION_DRAFTERS = {
     "layer-skip": (lambda t: LayerSkipDrafter(t, 1), [1, 2, 3, 4, 5]),
     "layer-skip-vocab-exit": (lambda t: LayerSkipDrafter(t, 1, SMALL, early_exit=0.3), [1, 2, 3, 4, 5]),
     "quantized-int4-vocab-exit": (
-        lambda t: QuantizedDrafter(int4_copy(t, SMALL), VOCAB, SMALL, early_exit=0.3), [1, 2, 3, 4, 5]
+        lambda t: DraftModelDrafter(int4_copy(t, SMALL), VOCAB, SMALL, early_exit=0.3), [1, 2, 3, 4, 5]
     ),
     "hybrid": (lambda t: HybridDrafter(NgramDrafter(2, 3), LayerSkipDrafter(t, 1)), [8, 7, 9, 8, 7]),
 }
@@ -104,10 +111,10 @@ def tiny_references(target) -> list[list[int]]:
 GREEDY_DRAFTERS = {
     "layer-skip": lambda t: LayerSkipDrafter(t, 1),
     "layer-skip-vocab-exit": lambda t: LayerSkipDrafter(t, 1, SMALL, early_exit=0.5),
-    "quantized-int8": lambda t: QuantizedDrafter(quantized_copy(t, "int8", None, None), VOCAB),
-    "quantized-int4-vocab": lambda t: QuantizedDrafter(int4_copy(t, SMALL), VOCAB, SMALL, early_exit=0.5),
+    "quantized-int8": lambda t: DraftModelDrafter(quantized_copy(t, "int8", None, None), VOCAB),
+    "quantized-int4-vocab": lambda t: DraftModelDrafter(int4_copy(t, SMALL), VOCAB, SMALL, early_exit=0.5),
     "hybrid-layer-skip": lambda t: HybridDrafter(NgramDrafter(2, 3), LayerSkipDrafter(t, 1)),
-    "hybrid-quantized": lambda t: HybridDrafter(NgramDrafter(2, 3), QuantizedDrafter(int4_copy(t), VOCAB)),
+    "hybrid-quantized": lambda t: HybridDrafter(NgramDrafter(2, 3), DraftModelDrafter(int4_copy(t), VOCAB)),
 }
 
 
@@ -245,21 +252,34 @@ TINY_CONFIG = ModelConfig(target="tiny-random-llama", dtype="fp32", device="cpu"
     "speculation, kind, inner",
     [
         (SpeculationConfig(drafter="layer-skip"), LayerSkipDrafter, None),
-        (SpeculationConfig(drafter="quantized", quantized={"weights": "int8"}), QuantizedDrafter, None),
+        (SpeculationConfig(drafter="quantized", quantized={"weights": "int8"}), DraftModelDrafter, None),
         (SpeculationConfig(drafter="hybrid"), HybridDrafter, LayerSkipDrafter),
-        (SpeculationConfig(drafter="hybrid", hybrid={"drafter": "quantized"}), HybridDrafter, QuantizedDrafter),
+        (SpeculationConfig(drafter="hybrid", hybrid={"drafter": "quantized"}), HybridDrafter, DraftModelDrafter),
     ],
 )
 def test_config_builds_each_drafter(speculation, kind, inner):
-    from specdec_core.build import load_runner
-
     config = Config(model=TINY_CONFIG, speculation=speculation)
     drafter = build_drafter(config, load_runner(TINY_CONFIG.target, TINY_CONFIG))
     assert isinstance(drafter, kind) and drafter.name == speculation.drafter
     if inner:
-        assert isinstance(drafter.model, inner) and drafter.ngram.min_n == speculation.hybrid.min_n
+        assert isinstance(drafter.model, inner) and drafter.model.name == speculation.hybrid.drafter
+        assert drafter.ngram.min_n == speculation.hybrid.min_n
     if kind is LayerSkipDrafter:
         assert drafter.k == 1  # 3/4 of the tiny model's two layers
+
+
+def test_each_registered_name_has_a_factory_and_an_unknown_name_lists_them():
+    assert DRAFTERS == (NO_DRAFTER, *REGISTRY)
+    assert all(callable(factory(name)) for name in REGISTRY)
+    with pytest.raises(ValueError, match=f"unknown drafter 'nope'; choose one of {', '.join(DRAFTERS)}"):
+        factory("nope")
+
+
+def test_the_drafter_names_come_without_torch():
+    # The registry imports a drafter's module only to build it: the config and the CLI's parsers read names only.
+    code = ("import argparse, sys; import specdec_core.config; from specdec_tools.bench.cli import add_arguments; "
+            "add_arguments(argparse.ArgumentParser()); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 # -- SmolLM2-135M in float32 ----------------------------------------------------
@@ -282,7 +302,7 @@ def smol_vocab(smollm2, smollm2_dir) -> ReducedVocab:
 SMOL_DRAFTERS = {
     "layer-skip-vocab-exit": (lambda t, v: LayerSkipDrafter(t, 20, v, early_exit=0.2), SMOL_PROMPTS),
     "hybrid-layer-skip": (lambda t, v: HybridDrafter(NgramDrafter(2, 3), LayerSkipDrafter(t, 24)), SMOL_PROMPTS),
-    "quantized-int8-vocab": (lambda t, v: QuantizedDrafter(quantized_copy(t, "int8", v, None), t.vocab_size, v), 3),
+    "quantized-int8-vocab": (lambda t, v: DraftModelDrafter(quantized_copy(t, "int8", v, None), t.vocab_size, v), 3),
 }
 
 

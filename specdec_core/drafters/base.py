@@ -10,6 +10,7 @@ last hidden states: Medusa, EAGLE) get them for every token the target commits.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ class Proposal:
 class Drafter(ABC):
     """Proposes draft tokens for a batch of sequences."""
 
-    name: str
+    name = "unnamed"  # what stats and metrics call it: build.registered_drafter names a drafter by its registry key
     uses_features = False  # the engine runs the target with features and passes them to add() and accepted()
 
     def attach(self, cache: BatchCache) -> None:
@@ -57,3 +58,8 @@ class Drafter(ABC):
         """The target kept nodes paths[i] of row i's proposal, root to leaf (a chain's first len(paths[i]));
         seqs are already extended. features[i] [len(paths[i]) + 1, H] are those of the tokens this step
         committed to the cache: the row's previous last token, then each kept node (None unless uses_features)."""
+
+
+# What a drafter's from_config (drafters/registry.py) gets to make another drafter by its registry name, for the
+# same config and target: the hybrid's model drafter.
+DrafterBuilder = Callable[[str], Drafter]

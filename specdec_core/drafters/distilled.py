@@ -3,8 +3,8 @@
 Two trunks (`specdec train distill --student ...`, train/distill.py):
 
 - layer-skip:K: the target's first k layers and the target's output layer (`DistilledDrafter`);
-- draft-model: the same-family draft model and its own output layer (`DistilledDraftModelDrafter`):
-  the draft-model drafter with the adapter in front of its output layer.
+- draft-model: the same-family draft model and its own output layer: the draft-model drafter
+  (`DraftModelDrafter`) over a draft whose output layer has the adapter in front (`AdaptedOutput`).
 
 For the layer-skip student, the trained piece sits between the k-th layer's final-normed hidden
 state z and the output layer:
@@ -18,34 +18,31 @@ trained too. The adapter reads one position at a time and keeps no state, so the
 still draft from the target's own cache exactly as layer skip does (no second cache, no rollback),
 and the draft model keeps its own cache exactly as the draft-model drafter does.
 
-Trained students live in ``<cache root>/students/<name>/``: ``student.safetensors`` (the adapter,
-plus ``vocab_ids`` when it predicts over a reduced vocabulary) and ``student.json`` (the trunk, the adapter's
-width, and how it was trained). The output layer is never stored: it is the target's (or the draft
-model's) own, cut to the reduced vocabulary when there is one.
+Trained students are an artifact (models/artifacts.py): ``<cache root>/students/<name>/``,
+``student.safetensors`` (the adapter, plus ``vocab_ids`` when it predicts over a reduced vocabulary)
+and ``student.json`` (the trunk, the adapter's width, and how it was trained). The output layer is
+never stored: it is the target's (or the draft model's) own, cut to the reduced vocabulary when
+there is one.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..models.paths import cache_dir
+from ..models.artifacts import STUDENT, load_artifact, save_artifact
+from ..models.loading import draft_runner, reducible
 from ..models.runner import ModelRunner
 from ..models.vocab import ReducedVocab
+from .base import DrafterBuilder
 from .draft_model import DraftModelDrafter
 from .layer_skip import LayerSkipDrafter
 
-WEIGHTS_FILE = "student.safetensors"
-META_FILE = "student.json"
-VOCAB_KEY = "vocab_ids"
-
-
-class MissingStudentError(FileNotFoundError):
-    """A student a config names has not been trained (or was trained for another target)."""
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 class Adapter(nn.Module):
@@ -81,62 +78,45 @@ class AdaptedOutput(nn.Module):
 class DistilledDrafter(LayerSkipDrafter):
     """Layer skip whose k-th layer's output passes through a trained adapter before the output layer."""
 
-    name = "distilled"
-
     def __init__(self, target: ModelRunner, adapter: Adapter, k: int, vocab: ReducedVocab | None = None,
                  early_exit: float = 0.0):
         super().__init__(target, k, vocab, early_exit)
         self.head = AdaptedOutput(adapter.to(target.device), self.head)
 
 
-class DistilledDraftModelDrafter(DraftModelDrafter):
-    """The draft-model drafter over a draft whose output layer is an `AdaptedOutput`."""
-
-    name = "distilled"
-
-
 def default_student_name(target: str, draft_model: str | None = None) -> str:
     """The name `specdec train distill` saves a student under when --out is not given."""
-    return f"{target}-distilled-draft" if draft_model else f"{target}-distilled"
+    name = STUDENT.default_name(target)
+    return f"{name}-draft" if draft_model else name
 
 
-def student_dir(name_or_path: str | Path) -> Path:
-    """An existing directory as given, else ``<cache root>/students/<name>``."""
-    path = Path(name_or_path)
-    return path if path.is_dir() else cache_dir() / "students" / str(name_or_path)
-
-
-def save_student(adapter: Adapter, directory: Path, meta: dict, vocab: ReducedVocab | None) -> dict:
-    """Write the adapter (and reduced vocabulary ids) and ``student.json``, last, into `directory`; the JSON's dict."""
-    directory.mkdir(parents=True, exist_ok=True)
+def save_student(adapter: Adapter, directory: str | Path, meta: dict, vocab: ReducedVocab | None) -> dict:
+    """Save the adapter (and reduced vocabulary) and `meta` (plus the adapter's shape) as the artifact `directory`;
+    the JSON's dict."""
     tensors = {key: value.detach().float().contiguous() for key, value in adapter.state_dict().items()}
-    if vocab is not None:
-        tensors[VOCAB_KEY] = vocab.ids.cpu().contiguous()
-    save_file(tensors, str(directory / WEIGHTS_FILE))
-    meta = {**meta, "hidden_size": adapter.hidden_size, "width": adapter.width,
-            "vocab_size": None if vocab is None else vocab.size,
-            "full_vocab_size": None if vocab is None else vocab.full_size}
-    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    shape = {"hidden_size": adapter.hidden_size, "width": adapter.width}
+    return save_artifact(STUDENT, directory, tensors, {**meta, **shape}, vocab)
 
 
 def load_student(name_or_path: str | Path, target_name: str) -> tuple[Adapter, dict, ReducedVocab | None]:
     """The student saved as `name_or_path` for `target_name`: its adapter, ``student.json`` and reduced vocabulary
-    (None: the full one). Raises MissingStudentError naming the training command when it is missing or another target's."""
-    directory = student_dir(name_or_path)
-    name = Path(name_or_path).name
-    command = f"specdec train distill --config <a config whose model.target is {target_name}> --out {name}"
-    meta_path = directory / META_FILE
-    if not meta_path.is_file():
-        raise MissingStudentError(f"distilled student {str(name_or_path)!r} for {target_name} is not trained "
-                                  f"(no {meta_path}); train it with: {command}")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("target") != target_name:
-        raise MissingStudentError(f"distilled student {str(name_or_path)!r} was trained for {meta.get('target')!r}, "
-                                  f"not {target_name!r}; train one for it with: {command}")
-    tensors = load_file(str(directory / WEIGHTS_FILE))
-    vocab_ids = tensors.pop(VOCAB_KEY, None)
-    adapter = Adapter(meta["hidden_size"], meta["width"])
-    adapter.load_state_dict(tensors)
-    vocab = None if vocab_ids is None else ReducedVocab(vocab_ids.long(), meta["full_vocab_size"])
-    return adapter.eval().requires_grad_(False), meta, vocab
+    (None: the full one). Raises MissingArtifactError naming the training command when it is missing or another
+    target's."""
+    artifact = load_artifact(STUDENT, name_or_path, target_name)
+    adapter = Adapter(artifact.meta["hidden_size"], artifact.meta["width"])
+    adapter.load_state_dict(artifact.tensors)
+    return adapter.eval().requires_grad_(False), artifact.meta, artifact.vocab
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> DistilledDrafter | DraftModelDrafter:
+    """speculation.distilled's student over `target`, on the trunk it was trained with; one not trained yet raises
+    MissingArtifactError, which names the command that trains it."""
+    spec = config.speculation
+    name = spec.distilled.student or default_student_name(config.model.target)
+    adapter, meta, vocab = load_student(name, config.model.target)
+    student = meta["student"]
+    if student["kind"] == "layer-skip":
+        return DistilledDrafter(target, adapter, student["k"], reducible(vocab, target.model), spec.early_exit)
+    draft, vocab = draft_runner(config.model, target, student["model"], vocab)
+    draft.model.set_output_embeddings(AdaptedOutput(adapter.to(draft.device), draft.model.get_output_embeddings()))
+    return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)

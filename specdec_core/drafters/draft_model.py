@@ -20,14 +20,19 @@ step; each proposal first catches up on those.
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..models.loading import draft_runner, target_vocab
 from ..models.runner import BatchCache, ModelRunner
+from ..models.vocab import ReducedVocab
 from ..sampling import adjust_logits, make_generator, running_counts, sample, to_probs
 from ..sequence import Sequence
-from ..models.vocab import ReducedVocab
-from .base import Drafter, Proposal
+from .base import Drafter, DrafterBuilder, Proposal
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 class ModelDrafter(Drafter):
@@ -99,7 +104,7 @@ class ModelDrafter(Drafter):
 
 
 class DraftModelDrafter(ModelDrafter):
-    name = "draft-model"
+    """A model of its own drafts, from its own cache: a draft model, the target's quantized copy, a student."""
 
     def __init__(self, runner: ModelRunner, target_vocab: int, vocab: ReducedVocab | None = None, early_exit: float = 0.0):
         """`runner`'s output layer must already be cut to `vocab` when one is given (ReducedVocab.reduce_output)."""
@@ -138,3 +143,12 @@ class DraftModelDrafter(ModelDrafter):
     ) -> None:
         # The cache holds the draft tokens fed back; drop those past each row's accepted prefix.
         self.cache.drop_last([max(self.forwarded - len(path), 0) for path in paths])
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> DraftModelDrafter:
+    """speculation.draft_model drafting for `target`."""
+    spec = config.speculation
+    if not spec.draft_model:
+        raise ValueError("drafter draft-model needs speculation.draft_model in the config")
+    draft, vocab = draft_runner(config.model, target, spec.draft_model, target_vocab(target, spec.vocab_size))
+    return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)

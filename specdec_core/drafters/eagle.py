@@ -17,16 +17,24 @@ the target's real features, as EAGLE does, so the cache never holds a rejected n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..models.eagle_net import EagleNet
+from ..models.artifacts import EAGLE
+from ..models.eagle_net import EagleNet, load_eagle
 from ..models.runner import BatchCache
 from ..sequence import Sequence
-from .base import Drafter, Proposal
+from .base import Drafter, DrafterBuilder, Proposal
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..models.runner import ModelRunner
 
 
 class EagleDrafter(Drafter):
-    name = "eagle"
+    """A dynamic draft tree per row from the EAGLE network over the target's features."""
+
     uses_features = True
 
     def __init__(self, net: EagleNet, top_k: int, depth: int, total_tokens: int):
@@ -156,3 +164,11 @@ class Tree:
         old_parents = self.parents.gather(1, chosen)
         parents = torch.where(old_parents < 0, old_parents, renumber.gather(1, old_parents.clamp_min(0)))
         return self.tokens.gather(1, chosen), parents.tolist()
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> EagleDrafter:
+    """speculation.eagle's trained network over `target`; weights not trained yet raise MissingArtifactError,
+    which names the command that trains them."""
+    settings = config.speculation.eagle
+    net = load_eagle(settings.weights or EAGLE.default_name(config.model.target), target.model, config.model.target)
+    return EagleDrafter(net, settings.top_k, settings.depth, settings.total_tokens)

@@ -12,16 +12,22 @@ state (layer skip) has nothing to roll back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..models.runner import BatchCache
 from ..sequence import Sequence
-from .base import Drafter, Proposal
+from .base import Drafter, DrafterBuilder, Proposal
 from .ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..models.runner import ModelRunner
 
 
 class HybridDrafter(Drafter):
-    name = "hybrid"
+    """Per row, the n-gram proposal when there is one, else the model drafter's."""
 
     def __init__(self, ngram: NgramDrafter, model: Drafter):
         self.ngram = ngram
@@ -65,3 +71,11 @@ class HybridDrafter(Drafter):
         if self._model_proposal is not None:
             kept = [path if use else [] for use, path in zip(self._model_rows, paths)]
             self.model.accepted(seqs, self._model_proposal, kept, features)
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> HybridDrafter:
+    """n-gram lookups of at least speculation.hybrid.min_n tokens, else the model drafter hybrid.drafter (built by
+    name with `build`)."""
+    spec = config.speculation
+    ngram = NgramDrafter(spec.hybrid.min_n, max(spec.hybrid.min_n, spec.ngram.max_n), spec.ngram.max_len)
+    return HybridDrafter(ngram, build(spec.hybrid.drafter))

@@ -29,19 +29,25 @@ that pays.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from ..models.loading import reducible, target_vocab
 from ..models.runner import BatchCache, ModelRunner
-from ..sequence import Sequence
 from ..models.vocab import ReducedVocab
-from .base import Proposal
+from ..sequence import Sequence
+from .base import DrafterBuilder, Proposal
 from .draft_model import ModelDrafter
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 FAMILIES = ("llama", "qwen2")  # decoders whose layers `forward_layers` can run one by one
 
 
 class LayerSkipDrafter(ModelDrafter):
-    name = "layer-skip"
+    """The target's first k layers draft, from the target's own cache."""
 
     def __init__(self, target: ModelRunner, k: int, vocab: ReducedVocab | None = None, early_exit: float = 0.0):
         if target.config.model_type not in FAMILIES:
@@ -78,3 +84,10 @@ class LayerSkipDrafter(ModelDrafter):
 def default_k(num_layers: int) -> int:
     """k when the config leaves it null."""
     return max(3 * num_layers // 4, 1)
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> LayerSkipDrafter:
+    """Layer skip over `target` with speculation.layer_skip's k."""
+    spec = config.speculation
+    k = spec.layer_skip.k or default_k(target.num_layers)
+    return LayerSkipDrafter(target, k, reducible(target_vocab(target, spec.vocab_size), target.model), spec.early_exit)

@@ -15,14 +15,20 @@ siblings are distinct, so SpecInfer's rule keeps sampling exact.
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..models.medusa_heads import MedusaHeads, full_ids, head_logits, output_layer
+from ..models.artifacts import HEADS
+from ..models.loading import reducible
+from ..models.medusa_heads import MedusaHeads, full_ids, head_logits, load_heads, output_layer
 from ..models.runner import ModelRunner
-from ..sequence import Sequence
 from ..models.vocab import ReducedVocab
-from .base import Drafter, Proposal
+from ..sequence import Sequence
+from .base import Drafter, DrafterBuilder, Proposal
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 def candidate_tree(probs: list[list[float]], budget: int) -> tuple[list[tuple[int, int]], list[int]]:
@@ -57,7 +63,6 @@ def candidate_tree(probs: list[list[float]], budget: int) -> tuple[list[tuple[in
 class MedusaDrafter(Drafter):
     """Per-step candidate trees from Medusa heads over the target's own features."""
 
-    name = "medusa"
     uses_features = True
 
     def __init__(self, target: ModelRunner, heads: MedusaHeads, vocab: ReducedVocab | None, tree_nodes: int, top_k: int):
@@ -108,3 +113,11 @@ class MedusaDrafter(Drafter):
         # The last committed token is the one before each row's new last token: the heads read its feature.
         self.features = torch.stack([row[-1] for row in features]).to(self.features.dtype)
         self.known.fill_(True)
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> MedusaDrafter:
+    """speculation.medusa's trained heads over `target`; heads not trained yet raise MissingArtifactError,
+    which names the command that trains them."""
+    settings = config.speculation.medusa
+    heads, _, vocab = load_heads(settings.heads or HEADS.default_name(config.model.target), config.model.target)
+    return MedusaDrafter(target, heads, reducible(vocab, target.model), settings.tree_nodes, settings.top_k)

@@ -8,10 +8,16 @@ acceptance rule stays exact.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..sequence import Sequence
-from .base import Drafter, Proposal
+from .base import Drafter, DrafterBuilder, Proposal
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..models.runner import ModelRunner
 
 
 def lookup(tokens: list[int], min_n: int, max_n: int, max_len: int) -> list[int]:
@@ -27,7 +33,7 @@ def lookup(tokens: list[int], min_n: int, max_n: int, max_len: int) -> list[int]
 
 
 class NgramDrafter(Drafter):
-    name = "ngram"
+    """The continuation of the latest earlier match of each row's suffix."""
 
     def __init__(self, min_n: int = 1, max_n: int = 3, max_len: int = 8):
         if not 1 <= min_n <= max_n:
@@ -41,3 +47,9 @@ class NgramDrafter(Drafter):
         for i, draft in enumerate(drafts):
             tokens[i, : len(draft)] = torch.tensor(draft, dtype=torch.long)
         return Proposal(tokens=tokens, lengths=[len(d) for d in drafts], probs=None)
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> NgramDrafter:
+    """The n-gram drafter of speculation.ngram."""
+    ngram = config.speculation.ngram
+    return NgramDrafter(ngram.min_n, ngram.max_n, ngram.max_len)

@@ -6,7 +6,8 @@ almost exactly what the target predicts. The copy shares every tensor with
 the target except the linear layers that `models/quant.py` replaces with
 packed ones: embeddings, norms and rotary tables are not duplicated, and the
 float weights are read once to pack and never copied. It keeps its own KV
-cache (its keys differ from the target's), so it drafts like a draft model.
+cache (its keys differ from the target's), so it drafts as a draft model
+does: a `DraftModelDrafter` over the copy.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from __future__ import annotations
 import copy
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..models.loading import registry_dir, target_vocab
 from ..models.quant import DEFAULT_GROUP_SIZE, cache_file, quantize_model
 from ..models.runner import ModelRunner
 from ..models.vocab import ReducedVocab
+from .base import DrafterBuilder
 from .draft_model import DraftModelDrafter
 
-
-class QuantizedDrafter(DraftModelDrafter):
-    name = "quantized"
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 def quantized_copy(target: ModelRunner, weights: str, vocab: ReducedVocab | None, cache_dir: Path | None) -> ModelRunner:
@@ -44,3 +47,11 @@ def quantized_copy(target: ModelRunner, weights: str, vocab: ReducedVocab | None
             cache = cache.with_name(f"vocab{vocab.size}-{cache.name}")
     quantize_model(model, weights, DEFAULT_GROUP_SIZE, cache)
     return runner
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> DraftModelDrafter:
+    """`target`'s copy quantized to speculation.quantized.weights, drafting as a draft model."""
+    spec = config.speculation
+    vocab = target_vocab(target, spec.vocab_size)
+    draft = quantized_copy(target, spec.quantized.weights, vocab, registry_dir(target.name))
+    return DraftModelDrafter(draft, target.vocab_size, vocab, spec.early_exit)

@@ -14,37 +14,22 @@ only over those ids, and exactness is untouched (the target verifies over all of
 The network keeps its own `BatchCache` (shared slots, a per-row valid mask), so its rows roll
 back exactly as the target's do: the bookkeeping is the cache's own.
 
-Trained weights live in ``<cache root>/eagle/<name>/``: ``eagle.safetensors`` (fc, the layer,
-and ``vocab_ids`` when the vocabulary is reduced) and ``eagle.json`` (architecture and what it
-was trained on).
+Trained weights are an artifact (artifacts.py): ``<cache root>/eagle/<name>/``, ``eagle.safetensors``
+(fc, the layer, and ``vocab_ids`` when the vocabulary is reduced) and ``eagle.json`` (architecture
+and what it was trained on).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .paths import cache_dir
+from .artifacts import EAGLE, load_artifact, save_artifact
 from .runner import BatchCache
 from .vocab import ReducedVocab
-
-WEIGHTS_FILE = "eagle.safetensors"
-META_FILE = "eagle.json"
-VOCAB_KEY = "vocab_ids"
-
-
-class MissingEagleError(FileNotFoundError):
-    """EAGLE weights a config names have not been trained (or were trained for another target)."""
-
-
-def eagle_dir(name: str) -> Path:
-    """Where the EAGLE weights called `name` live."""
-    return cache_dir() / "eagle" / name.replace("/", "--")
 
 
 class EagleNet(nn.Module):
@@ -138,43 +123,18 @@ class EagleNet(nn.Module):
 
     # -- saving and loading ----------------------------------------------------
 
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        """What training changes (fc and the layer), plus the reduced vocabulary's ids."""
-        state = {key: value.detach().contiguous() for key, value in self.state_dict().items()}
-        if self.vocab is not None:
-            state[VOCAB_KEY] = self.vocab.ids
-        return state
-
-    def save(self, directory: Path, meta: dict) -> None:
-        """Weights and `meta` (plus the architecture) into `directory`, each renamed into place."""
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f"{WEIGHTS_FILE}.partial"
-        save_file(self.trained_state(), str(tmp))
-        tmp.replace(directory / WEIGHTS_FILE)
-        meta = {**meta, "hidden_size": self.hidden_size, "vocab_size": self.vocab.size if self.vocab else None}
-        (directory / f"{META_FILE}.partial").write_text(json.dumps(meta, indent=2) + "\n")
-        (directory / f"{META_FILE}.partial").replace(directory / META_FILE)
+    def save(self, directory: str | Path, meta: dict) -> dict:
+        """Save what training changes (fc and the layer) and `meta` (plus the architecture) as the artifact
+        `directory`; the JSON's dict."""
+        tensors = {key: value.detach().contiguous() for key, value in self.state_dict().items()}
+        return save_artifact(EAGLE, directory, tensors, {**meta, "hidden_size": self.hidden_size}, self.vocab)
 
 
-def read_vocab(state: dict[str, torch.Tensor], full_size: int) -> ReducedVocab | None:
-    """The reduced vocabulary saved with the weights, if any."""
-    return ReducedVocab(state[VOCAB_KEY], full_size) if VOCAB_KEY in state else None
-
-
-def load_eagle(name: str, target: nn.Module, target_name: str) -> EagleNet:
-    """The trained EAGLE network `name` for `target`; MissingEagleError naming the command that trains it."""
-    directory = eagle_dir(name)
-    train = f"specdec train eagle --config CFG --out {name}"
-    if not (directory / WEIGHTS_FILE).is_file() or not (directory / META_FILE).is_file():
-        raise MissingEagleError(f"no EAGLE weights at {directory}; train them with `{train}` (CFG's target: {target_name})")
-    meta = json.loads((directory / META_FILE).read_text())
-    if meta.get("target") != target_name or meta.get("hidden_size") != target.config.hidden_size:
-        raise MissingEagleError(
-            f"EAGLE weights {name!r} were trained for {meta.get('target')!r}, not {target_name!r}; "
-            f"train them with `{train}`"
-        )
-    state = load_file(str(directory / WEIGHTS_FILE), device=str(next(target.parameters()).device))
-    net = EagleNet(target, read_vocab(state, target.get_output_embeddings().out_features))
-    state.pop(VOCAB_KEY, None)
-    net.load_state_dict(state)
+def load_eagle(name_or_path: str | Path, target: nn.Module, target_name: str) -> EagleNet:
+    """The trained EAGLE network `name_or_path` for `target`; MissingArtifactError naming the command that trains it."""
+    output = target.get_output_embeddings()
+    artifact = load_artifact(EAGLE, name_or_path, target_name, hidden_size=target.config.hidden_size,
+                             full_vocab_size=output.out_features, device=str(next(target.parameters()).device))
+    net = EagleNet(target, artifact.vocab)
+    net.load_state_dict(artifact.tensors)
     return net.eval().requires_grad_(False)

@@ -11,29 +11,20 @@ N most frequent tokens, specdec_core/models/vocab.py) to cut the cost of 151k-ro
 Only the reduced vocabulary's token ids are stored with the heads; the rows themselves are cut
 from the target's lm_head when the heads are loaded.
 
-Trained heads live in ``<cache root>/heads/<name>/``: ``heads.safetensors`` (the blocks, plus
-``vocab_ids`` when the vocabulary is reduced) and ``heads.json`` (what they were trained on).
+Trained heads are an artifact (artifacts.py): ``<cache root>/heads/<name>/``, ``heads.safetensors``
+(the blocks, plus ``vocab_ids`` when the vocabulary is reduced) and ``heads.json`` (what they were
+trained on).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .paths import cache_dir
+from .artifacts import HEADS, load_artifact, save_artifact
 from .vocab import ReducedVocab
-
-WEIGHTS_FILE = "heads.safetensors"
-META_FILE = "heads.json"
-VOCAB_KEY = "vocab_ids"
-
-
-class MissingHeadsError(FileNotFoundError):
-    """Heads a config names have not been trained (or were trained for another target)."""
 
 
 class ResidualBlock(nn.Module):
@@ -92,46 +83,15 @@ def _weight_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     return next((p.dtype for p in module.parameters()), fallback)
 
 
-def default_heads_name(target: str) -> str:
-    """The name `specdec train medusa` saves heads under when --out is not given."""
-    return f"{target}-medusa"
-
-
-def heads_dir(name_or_path: str | Path) -> Path:
-    """An existing directory as given, else ``<cache root>/heads/<name>``."""
-    path = Path(name_or_path)
-    return path if path.is_dir() else cache_dir() / "heads" / str(name_or_path)
-
-
 def save_heads(heads: MedusaHeads, directory: str | Path, meta: dict, vocab: ReducedVocab | None = None) -> dict:
-    """Write the heads' weights (and reduced vocabulary ids) and ``heads.json`` into `directory`; the JSON's dict.
+    """Save the heads (and reduced vocabulary) as the artifact `directory`; the JSON's dict.
 
     `meta` says what the heads were trained on (target, data, tokens, epochs, per-head agreement,
-    time); the architecture (hidden size, heads, layers, vocabulary) is added here. The JSON is
-    written last, so a directory with it is complete.
+    time); the architecture (hidden size, heads, layers, vocabulary) is added here.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {key: value.detach().float().contiguous() for key, value in heads.state_dict().items()}
-    if vocab is not None:
-        tensors[VOCAB_KEY] = vocab.ids.cpu().contiguous()
-    save_file(tensors, str(directory / WEIGHTS_FILE))
-    architecture = {
-        "hidden_size": heads.hidden_size,
-        "num_heads": heads.num_heads,
-        "num_layers": heads.num_layers,
-        "vocab_size": None if vocab is None else vocab.size,
-        "full_vocab_size": None if vocab is None else vocab.full_size,
-    }
-    meta = {**meta, **architecture}
-    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-def train_command(target_name: str, name: str, config_path: str | None = None) -> str:
-    """The command that trains heads `name` for `target_name`."""
-    config = config_path or f"<a config whose model.target is {target_name}>"
-    return f"specdec train medusa --config {config} --out {name}"
+    architecture = {"hidden_size": heads.hidden_size, "num_heads": heads.num_heads, "num_layers": heads.num_layers}
+    return save_artifact(HEADS, directory, tensors, {**meta, **architecture}, vocab)
 
 
 def load_heads(
@@ -140,26 +100,11 @@ def load_heads(
     """The heads saved under `name_or_path` (a name under the cache root, or a directory) for `target_name`.
 
     Returns the heads (fp32, eval mode), their ``heads.json`` and their reduced vocabulary (None
-    when they predict over the full one). Raises MissingHeadsError, naming the exact training
+    when they predict over the full one). Raises MissingArtifactError, naming the exact training
     command (with `config_path` when given), when the heads are missing or belong to another target.
     """
-    directory = heads_dir(name_or_path)
-    name = Path(name_or_path).name
-    meta_path = directory / META_FILE
-    if not meta_path.is_file():
-        raise MissingHeadsError(
-            f"Medusa heads {str(name_or_path)!r} for {target_name} are not trained (no {meta_path}); "
-            f"train them with: {train_command(target_name, name, config_path)}"
-        )
-    meta = json.loads(meta_path.read_text())
-    if meta.get("target") != target_name:
-        raise MissingHeadsError(
-            f"Medusa heads {str(name_or_path)!r} were trained for {meta.get('target')!r}, not {target_name!r}; "
-            f"train heads for it with: {train_command(target_name, name, config_path)}"
-        )
-    tensors = load_file(str(directory / WEIGHTS_FILE))
-    vocab_ids = tensors.pop(VOCAB_KEY, None)
+    artifact = load_artifact(HEADS, name_or_path, target_name, config_path=config_path)
+    meta = artifact.meta
     heads = MedusaHeads(meta["hidden_size"], meta["num_heads"], meta["num_layers"])
-    heads.load_state_dict(tensors)
-    vocab = None if vocab_ids is None else ReducedVocab(vocab_ids.long(), meta["full_vocab_size"])
-    return heads.eval().requires_grad_(False), meta, vocab
+    heads.load_state_dict(artifact.tensors)
+    return heads.eval().requires_grad_(False), meta, artifact.vocab

@@ -6,10 +6,12 @@ Layout (``cache_dir()``)::
     gguf/<file>.gguf        verified, assembled GGUFs (kept: the checked source of each model)
     models/<name>/          converted models: bf16 safetensors + config + tokenizer + specdec.json,
                             and the packed quantized weights made from them
-    <kind>/<name>/          trained drafters (heads, eagle, students: artifacts.py)
+    <kind>/<name>/          trained drafters (heads, eagle, students: artifacts.py), and beside each
+                            the checkpoint of its training run, <name>.checkpoint.pt
     features/, kernels/     training features; our compiled CPU kernel
 
-Anything named ``*.partial`` / ``*.partial-<pid>`` is an interrupted write and is never trusted.
+Anything named ``*.partial`` / ``*.partial-<pid>`` (or ``*.partial-<pid>.old``: a trained drafter being replaced)
+is an interrupted write and is never trusted.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdec_core.config import DRAFTERS
+from specdec_core.drafters.registry import REGISTRY
 
 from .prompts import (
     Prompt,
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/default.yaml", help="YAML config: target, draft model, dtype")
     parser.add_argument(
         "--drafters", type=_list,
-        help=f"comma-separated methods: plain or a drafter ({', '.join(d for d in DRAFTERS if d != 'none')}: "
+        help=f"comma-separated methods: plain or a drafter ({', '.join(REGISTRY)}: "
         "adaptive gamma), optionally with speculation settings and a fixed gamma, as in ngram:g4 or "
         "distilled:distilled.student=NAME:g3; plain is always run, as the reference "
         "(default: plain,ngram and draft-model if the config has one)",

@@ -20,8 +20,9 @@ import torch
 from transformers import GenerationConfig
 
 from specdec_core.build import build_engine
-from specdec_core.config import DRAFTERS, Config, with_overrides
+from specdec_core.config import Config, with_overrides
 from specdec_core.control import Controller
+from specdec_core.drafters.registry import REGISTRY
 from specdec_core.engine import Engine, StepReport
 from specdec_core.models.runner import ModelRunner
 from specdec_core.sampling import SamplingParams
@@ -31,7 +32,7 @@ from .llama_cpp import LlamaCpp
 from .prompts import Prompt, chat_text, encode
 from .stats import PLAIN, adjacent_ratios, interleave
 
-ENGINE_DRAFTERS = tuple(d for d in DRAFTERS if d != "none")  # every drafter the engine has
+ENGINE_DRAFTERS = tuple(REGISTRY)  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-speculative")  # what --llama-cpp DIR adds
 _GAMMA = re.compile(r"g(\d+)")

@@ -45,9 +45,10 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
+from specdec_core.models.artifacts import save_tensors
 from specdec_core.models.paths import cache_dir
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import corpus
@@ -137,9 +138,9 @@ def chat_prompt_ids(runner: ModelRunner, prompt: str) -> list[int]:
 
 def answer_prompts(runner: ModelRunner, texts: list[str], settings: DataSettings, progress: bool = True) -> list[list[int]]:
     """Each prompt (chat-framed) followed by the target's own answer, decoded plainly in batches."""
-    from specdec_core.build import eos_ids
     from specdec_core.control import Controller
     from specdec_core.engine import Engine
+    from specdec_core.models.loading import eos_ids
     from specdec_core.sampling import SamplingParams
     from specdec_core.sequence import Sequence
 
@@ -208,15 +209,9 @@ def _load_or_make_plan(
         index = torch.cat([torch.arange(answered), torch.arange(len(sequences) - answered)])
         heldout = index % settings.heldout_every == settings.heldout_every // 2
         tokens = torch.tensor([t for ids in sequences for t in ids])
-        _save_atomic({"tokens": tokens, "lengths": lengths, "heldout": heldout}, path)
+        save_tensors({"tokens": tokens, "lengths": lengths, "heldout": heldout}, path)
     plan = load_file(str(path))
     return [ids.tolist() for ids in plan["tokens"].split(plan["lengths"].tolist())], plan["heldout"].tolist()
-
-
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(f"{path.name}.partial")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)  # renamed into place: a reader never sees half a file
 
 
 @torch.no_grad()
@@ -259,7 +254,7 @@ def extract(runner: ModelRunner, settings: DataSettings, progress: bool = True) 
                 if (directory / name).is_file():
                     bar.update(sum(map(len, shard)))
                 else:
-                    _save_atomic(_shard_tensors(runner, shard, bar), directory / name)
+                    save_tensors(_shard_tensors(runner, shard, bar), directory / name)
     meta = {
         "format": FORMAT,
         "target": runner.name,

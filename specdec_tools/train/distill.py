@@ -15,8 +15,8 @@ per feature shard (so an interrupted computation resumes at the shard it was in)
 
 Loss: T^2 * KL(p_T || q_T), p_T the target's softmax at temperature T, q_T the student's (Hinton et
 al. 2015; T^2 keeps the gradient's scale independent of T). Over the reduced vocabulary when there
-is one (both distributions restricted to it). AdamW with a cosine schedule, resumable from
-``checkpoint.pt`` (train/loop.py, shared with Medusa), epochs over the cached positions.
+is one (both distributions restricted to it). AdamW with a cosine schedule, resumable from the
+checkpoint beside the student (train/loop.py, shared with Medusa), epochs over the cached positions.
 
 Held-out report, untrained (plain layer skip with the same k, or the plain draft model) and trained: the KL at T, top-1
 agreement with the target's argmax (the greedy acceptance rate of one draft token), and
@@ -36,13 +36,14 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from specdec_core.drafters.distilled import Adapter, save_student, student_dir
+from specdec_core.drafters.distilled import Adapter, save_student
+from specdec_core.models.artifacts import STUDENT, artifact_dir, checkpoint_path, save_tensors
 from specdec_core.models.medusa_heads import full_ids, output_layer
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab
 
-from .data import Features, _save_atomic
-from .loop import CHECKPOINT_FILE, fit
+from .data import Features
+from .loop import fit
 from .settings import DistillSettings
 
 EVAL_BATCH = 256
@@ -83,7 +84,7 @@ def student_inputs(data: Features, trunk: Callable[[list[int]], torch.Tensor], p
                 if not path.is_file():
                     shard = load_file(str(data.directory / name))
                     sequences = shard["tokens"].split(shard["lengths"].tolist())
-                    _save_atomic({"hidden": torch.cat([trunk(ids.tolist()) for ids in sequences])}, path)
+                    save_tensors({"hidden": torch.cat([trunk(ids.tolist()) for ids in sequences])}, path)
                 parts.append(load_file(str(path))["hidden"])
                 bar.update(len(parts[-1]))
             splits[split] = torch.cat(parts)
@@ -123,8 +124,7 @@ def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings
     """Distill a student toward `runner` on `data` and save it as `out`; its JSON's dict. The student is `draft`
     (the same-family draft model) when given, else `runner`'s first `settings.k` layers."""
     torch.manual_seed(settings.seed)
-    directory = student_dir(out)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = artifact_dir(STUDENT, out)
     if draft is None:
         student = {"kind": "layer-skip", "k": settings.k}
         trunk, prefix = (lambda ids: first_layers(runner, ids, settings.k)), f"layers{settings.k}"
@@ -147,7 +147,7 @@ def train_distill(runner: ModelRunner, data: Features, settings: DistillSettings
 
     identity = {"settings": dataclasses.asdict(settings), "student": student, "data": str(data.directory),
                 "vocab_size": None if vocab is None else vocab.size}
-    checkpoint = directory / CHECKPOINT_FILE
+    checkpoint = checkpoint_path(directory)
     start = time.perf_counter()
     epoch_losses = fit(adapter, len(inputs.train), loss_of, settings, checkpoint, identity, resume,
                        f"train distill ({out})", progress)

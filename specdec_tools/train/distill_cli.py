@@ -43,10 +43,10 @@ def parse_student(student: str, config, num_layers: int) -> tuple[int, str | Non
 
 
 def distill_command(args: argparse.Namespace) -> int:
-    from specdec_core.build import draft_runner, load_runner, registry_dir
     from specdec_core.config import Config
-    from specdec_core.drafters.distilled import default_student_name, student_dir
-    from specdec_core.models.vocab import reduced_vocab
+    from specdec_core.drafters.distilled import default_student_name
+    from specdec_core.models.artifacts import STUDENT, artifact_dir
+    from specdec_core.models.loading import draft_runner, load_runner, target_vocab
 
     from .data import features
     from .distill import train_distill
@@ -57,9 +57,9 @@ def distill_command(args: argparse.Namespace) -> int:
     runner = load_runner(target, config.model)
     k, draft_name = parse_student(args.student, config, runner.num_layers)
     # The draft's own output layer stays whole here: the trainer cuts a float32 copy to the vocabulary.
-    draft = draft_runner(config, runner, draft_name, None)[0] if draft_name else None
+    draft = draft_runner(config.model, runner, draft_name, None)[0] if draft_name else None
     data = features(runner, data_settings(args))
-    vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
+    vocab = target_vocab(runner, args.vocab_size)
     settings = DistillSettings(k=k, width=args.width, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                                temperature=args.temperature)
     name = args.out or default_student_name(target, draft_name)
@@ -75,5 +75,5 @@ def distill_command(args: argparse.Namespace) -> int:
     for key, label in (("kl", f"KL at T={settings.temperature}"), ("top1", "top-1 agreement"),
                        ("accept_t1", "accept (T=1)")):
         print(f"{label:<16} {before[key]:>9.4f} -> {after[key]:.4f}")
-    print(f"saved to {student_dir(name)}", file=sys.stderr)
+    print(f"saved to {artifact_dir(STUDENT, name)}", file=sys.stderr)
     return 0

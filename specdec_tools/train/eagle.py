@@ -8,9 +8,9 @@ Loss (as EAGLE): smooth L1 between the predicted and the real next feature, plus
 times the cross-entropy of lm_head(predicted feature) against the target's own next token (over
 the reduced vocabulary when there is one: targets outside it are skipped).
 
-Training is resumable: ``checkpoint.pt`` in the output directory holds the network, the optimizer
-and how many batches are done, written every `save_every` batches and at each epoch's end; the
-batch order is a function of the seed and the epoch, so a resumed run continues exactly.
+Training is resumable: ``<name>.checkpoint.pt`` beside the output directory holds the network, the
+optimizer and how many batches are done, written every `save_every` batches and at each epoch's
+end; the batch order is a function of the seed and the epoch, so a resumed run continues exactly.
 
 Held-out figures: top-1 agreement (the draft's argmax of token t+2 from the real features equals
 the target's), and the mean acceptance length of a greedy chain of `depth` drafts started at every
@@ -22,7 +22,6 @@ continuations), so on text the target did not write it is a lower bound.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from specdec_core.models.artifacts import EAGLE, artifact_dir, checkpoint_path
 from specdec_core.models.eagle_net import EagleNet
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab
@@ -41,8 +41,6 @@ from .data import Features, FeatureSplit
 from .settings import EagleSettings
 
 log = logging.getLogger("specdec")
-
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 @dataclass
@@ -150,17 +148,20 @@ def chain_lengths(net: EagleNet, pairs: Pairs, depth: int) -> torch.Tensor:
 
 
 def train(
-    runner: ModelRunner, data: Features, out: Path, settings: EagleSettings, vocab: ReducedVocab | None = None,
+    runner: ModelRunner, data: Features, out: str | Path, settings: EagleSettings, vocab: ReducedVocab | None = None,
     resume: bool = False, progress: bool = True,
 ) -> dict:
-    """Train an EAGLE network for `runner`'s target on `data`, save it into `out`; returns what eagle.json says."""
+    """Train an EAGLE network for `runner`'s target on `data`, save it as `out` (a name under <cache>/eagle, or a
+    directory); returns what eagle.json says."""
+    directory = artifact_dir(EAGLE, out)
+    checkpoint = checkpoint_path(directory)
     torch.manual_seed(settings.seed)
     net = EagleNet(runner.model, vocab).float().train()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr)
     train_data, heldout = sequences(data.train), sequences(data.heldout)
     batches_per_epoch = -(-len(train_data) // settings.batch_sequences)
     total = settings.epochs * batches_per_epoch
-    done = _resume(net, optimizer, out) if resume else 0
+    done = _resume(net, optimizer, checkpoint) if resume else 0
     start = time.perf_counter()
     history: list[dict[str, float]] = []
     with tqdm(total=total, initial=done, desc="train eagle", unit="batch", disable=not progress) as bar:
@@ -178,7 +179,7 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{parts['loss']:.3f}", token=f"{parts['token']:.2f}")
             if (step + 1) % settings.save_every == 0 or index == batches_per_epoch - 1:
-                _checkpoint(net, optimizer, out, step + 1)
+                _checkpoint(net, optimizer, checkpoint, step + 1)
     net.eval()
     figures = heldout_figures(net, heldout, settings.depth)
     meta = {
@@ -192,20 +193,18 @@ def train(
         "train_s": round(time.perf_counter() - start, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    net.save(out, meta)
-    return json.loads((out / "eagle.json").read_text())
+    return net.save(directory, meta)
 
 
-def _checkpoint(net: EagleNet, optimizer: torch.optim.Optimizer, out: Path, done: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{CHECKPOINT_FILE}.partial"
+def _checkpoint(net: EagleNet, optimizer: torch.optim.Optimizer, path: Path, done: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.partial")
     torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "done": done}, tmp)
-    tmp.replace(out / CHECKPOINT_FILE)
+    tmp.replace(path)
 
 
-def _resume(net: EagleNet, optimizer: torch.optim.Optimizer, out: Path) -> int:
-    """Load the checkpoint in `out` if there is one; the batches it had done (0 without one)."""
-    path = out / CHECKPOINT_FILE
+def _resume(net: EagleNet, optimizer: torch.optim.Optimizer, path: Path) -> int:
+    """Load the checkpoint `path` if there is one; the batches it had done (0 without one)."""
     if not path.is_file():
         log.info("no checkpoint at %s: training from the start", path)
         return 0

@@ -20,10 +20,9 @@ def add_arguments(trainers) -> None:
 
 
 def eagle_command(args) -> int:
-    from specdec_core.build import load_runner, registry_dir
     from specdec_core.config import Config
-    from specdec_core.models.eagle_net import eagle_dir
-    from specdec_core.models.vocab import reduced_vocab
+    from specdec_core.models.artifacts import EAGLE, artifact_dir
+    from specdec_core.models.loading import load_runner, target_vocab
 
     from .data import features
     from .eagle import train
@@ -38,15 +37,15 @@ def eagle_command(args) -> int:
     # output layer it reads become float32 too; the saved weights load into any dtype.
     runner.model.get_input_embeddings().float()
     runner.model.get_output_embeddings().float()
-    vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
+    vocab = target_vocab(runner, args.vocab_size)
     settings = EagleSettings(epochs=args.epochs, batch_sequences=args.batch_sequences, lr=args.lr)
-    name = args.out or f"{target}-eagle"
-    meta = train(runner, data, eagle_dir(name), settings, vocab, args.resume)
+    name = args.out or EAGLE.default_name(target)
+    meta = train(runner, data, name, settings, vocab, args.resume)
     positions = meta["data"]["positions"]
     print(f"eagle {name!r} for {target}: {positions['train']} training positions ({positions['heldout']} held out), "
           f"{settings.epochs} epochs, "
           f"vocabulary {meta['vocab_size'] or 'full'}, {meta['train_s']} s; loss {meta['first_loss']['loss']:.3f} -> "
           f"{meta['last_loss']['loss']:.3f}; held out: top-1 agreement {meta['heldout']['top1_agreement']:.1%}, "
           f"chain acceptance length {meta['heldout']['acceptance_length']:.2f} (depth {settings.depth}, a lower bound)")
-    print(f"saved to {eagle_dir(name)}", file=sys.stderr)
+    print(f"saved to {artifact_dir(EAGLE, name)}", file=sys.stderr)
     return 0

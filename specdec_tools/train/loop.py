@@ -15,9 +15,6 @@ from .settings import DistillSettings, TrainSettings
 
 log = logging.getLogger("specdec")
 
-CHECKPOINT_FILE = "checkpoint.pt"
-
-
 def _step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scheduler) -> float:
     """One optimizer (and schedule) step on `loss`; its value."""
     optimizer.zero_grad(set_to_none=True)
@@ -28,6 +25,7 @@ def _step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scheduler) -> fl
 
 
 def save_checkpoint(path: Path, module: nn.Module, optimizer, scheduler, step: int, losses: list[float], identity: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.partial")
     torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "step": step, "epoch_losses": losses, "identity": identity}, tmp)

@@ -19,18 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_core.models.medusa_heads import (
-    MedusaHeads,
-    full_ids,
-    head_logits,
-    heads_dir,
-    output_layer,
-    save_heads,
-)
+from specdec_core.models.artifacts import HEADS, artifact_dir, checkpoint_path
+from specdec_core.models.medusa_heads import MedusaHeads, full_ids, head_logits, output_layer, save_heads
 from specdec_core.models.vocab import ReducedVocab
 
 from .data import Features, FeatureSplit
-from .loop import CHECKPOINT_FILE, fit
+from .loop import fit
 from .settings import TrainSettings
 
 log = logging.getLogger("specdec")
@@ -97,8 +91,7 @@ def train_medusa(
     The output layer is used in float32 (on this CPU float32 products beat bfloat16 ones).
     """
     torch.manual_seed(settings.seed)
-    directory = heads_dir(out)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = artifact_dir(HEADS, out)
     heads = MedusaHeads(data.meta["hidden_size"], settings.num_heads, settings.num_layers)
     out_layer = output_layer(lm_head, vocab).float().requires_grad_(False)
     train_labels = output_labels(head_labels(data.train, settings.num_heads), vocab)
@@ -113,7 +106,7 @@ def train_medusa(
         logits = head_logits(heads, data.train.hidden[chosen].float(), out_layer)
         return weighted_loss(logits, train_labels[chosen], settings.head_decay)
 
-    checkpoint = directory / CHECKPOINT_FILE
+    checkpoint = checkpoint_path(directory)
     start = time.perf_counter()
     epoch_losses = fit(heads, len(positions), loss_of, settings, checkpoint, identity, resume,
                        f"train medusa ({out})", progress)

@@ -23,10 +23,9 @@ def add_arguments(trainers) -> None:
 
 
 def medusa_command(args: argparse.Namespace) -> int:
-    from specdec_core.build import load_runner, registry_dir
     from specdec_core.config import Config
-    from specdec_core.models.medusa_heads import default_heads_name, heads_dir
-    from specdec_core.vocab import reduced_vocab
+    from specdec_core.models.artifacts import HEADS, artifact_dir
+    from specdec_core.models.loading import load_runner, target_vocab
 
     from .data import features
     from .medusa import train_medusa
@@ -36,13 +35,13 @@ def medusa_command(args: argparse.Namespace) -> int:
     target = config.model.target
     runner = load_runner(target, config.model)
     data = features(runner, data_settings(args))
-    vocab = reduced_vocab(runner.tokenizer, runner.vocab_size, args.vocab_size, registry_dir(target))
+    vocab = target_vocab(runner, args.vocab_size)
     settings = TrainSettings(num_heads=args.heads, num_layers=args.layers, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr)
-    name = args.out or default_heads_name(target)
+    name = args.out or HEADS.default_name(target)
     meta = train_medusa(runner.model.get_output_embeddings(), data, settings, name, vocab, args.resume)
     print_report(name, meta)
-    print(f"saved to {heads_dir(name)}", file=sys.stderr)
+    print(f"saved to {artifact_dir(HEADS, name)}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,112 @@
+"""Loading the models a config names: the target, a draft model of its family, and what their files say
+(tokenizer, end-of-sequence ids, the reduced vocabulary a config asks for)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .catalogue import REGISTRY
+from .paths import model_dir
+from .quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
+from .runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
+from .tiny import is_tiny, tiny_model, tiny_tokenizer
+from .vocab import ReducedVocab, reduced_vocab
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+log = logging.getLogger("specdec")
+
+
+class TokenizerMismatch(ValueError):
+    """The drafter's tokenizer differs from the target's."""
+
+
+def load_runner(name: str, model: ModelConfig) -> ModelRunner:
+    """A runner for a registry name (pulled when missing), a local directory, a hub id, or a tiny random model,
+    its linear layers quantized when `model.weights` asks for it."""
+    runner = _load_float_runner(name, model)
+    if model.weights in QUANTIZED:
+        # Only registry models' directories are ours to write into; others are quantized on every start.
+        directory = registry_dir(name)
+        cache = cache_file(directory, model.weights, DEFAULT_GROUP_SIZE, runner.device) if directory else None
+        # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
+        quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
+    return runner
+
+
+def _load_float_runner(name: str, model: ModelConfig) -> ModelRunner:
+    set_threads(model.threads)
+    if is_tiny(name):
+        tokenizer = tiny_tokenizer()
+        module = tiny_model(name, len(tokenizer)).to(DTYPES[model.dtype]).to(resolve_device(model.device)).eval()
+        return ModelRunner(module, tokenizer, name)
+    from .registry import resolve
+
+    module, tokenizer = load_model(resolve(name), model.dtype, model.device)
+    return ModelRunner(module, tokenizer, name)
+
+
+def registry_dir(name: str) -> Path | None:
+    """A registry model's own cache directory (ours to write derived files into); None for other models."""
+    return model_dir(name) if name in REGISTRY else None
+
+
+def target_vocab(target: ModelRunner, size: int | None) -> ReducedVocab | None:
+    """The target's `size` most frequent tokens (counts cached with a registry model); None: the full vocabulary."""
+    return reduced_vocab(target.tokenizer, target.vocab_size, size, registry_dir(target.name))
+
+
+def reducible(vocab: ReducedVocab | None, model: nn.Module) -> ReducedVocab | None:
+    """`vocab` if `model`'s output layer can be cut to it (a float nn.Linear), else None, logged."""
+    if vocab is not None and not isinstance(model.get_output_embeddings(), nn.Linear):
+        log.warning("speculation.vocab_size: the output layer is quantized; drafting over the full vocabulary")
+        return None
+    return vocab
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """What must agree for two models to share token ids: vocabulary, merges and special tokens."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    return {
+        "vocab": tokenizer.get_vocab(),
+        "merges": state["model"].get("merges"),
+        "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()},
+    }
+
+
+def check_same_tokenizer(target: ModelRunner, draft: ModelRunner) -> None:
+    """Refuse a drafter whose tokenizer differs from the target's, naming both models."""
+    mine, theirs = tokenizer_fingerprint(target.tokenizer), tokenizer_fingerprint(draft.tokenizer)
+    differing = [part for part in mine if mine[part] != theirs[part]]
+    if differing:
+        raise TokenizerMismatch(
+            f"draft model {draft.name!r} does not share the tokenizer of target {target.name!r} "
+            f"(they differ in: {', '.join(differing)}); pick a draft model of the same family"
+        )
+
+
+def draft_runner(model: ModelConfig, target: ModelRunner, name: str, vocab: ReducedVocab | None
+                 ) -> tuple[ModelRunner, ReducedVocab | None]:
+    """The draft model `name` for `target`, loaded as `model` says, its output layer cut to `vocab` when it can be,
+    and the vocabulary it got."""
+    draft = load_runner(name, model)
+    check_same_tokenizer(target, draft)
+    vocab = reducible(vocab, draft.model)
+    if vocab is not None:
+        vocab.reduce_output(draft.model)
+    return draft, vocab
+
+
+def eos_ids(runner: ModelRunner) -> set[int]:
+    """End-of-sequence ids from the tokenizer and the generation config."""
+    ids = {runner.tokenizer.eos_token_id}
+    generation = getattr(runner.model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None) if generation else None
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return {i for i in ids if i is not None}
