@@ -187,8 +187,7 @@ class Engine:
         if self.drafter and (width or features):  # feature drafters need every committed token's features
             self.drafter.accepted(seqs, proposal, paths, kept_features if features else None)
         self.controller.observe(
-            len(seqs), width + 1, verify_s, width, draft_s,
-            drafted=sum(positions), accepted=sum(row.accepted for row in report.rows),
+            len(seqs), width + 1, verify_s, width, draft_s, [(row.seq, row.drafted, row.accepted) for row in report.rows],
         )
         report.finished = [seq for seq in seqs if seq.finished]
         self.remove(report.finished + [seq for seq, _ in report.failed])
