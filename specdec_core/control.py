@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -71,18 +72,9 @@ class RowTally:
     seq: Sequence
     asking: int = 0  # draft tokens the step in progress asks of it (gamma, capped by its tokens left)
     asked: int = 0  # draft tokens the finished steps asked of it
+    drafted: int = 0  # draft tokens it proposed
+    accepted: int = 0  # of those, the ones the target kept
     rejections: int = 0  # verify steps that rejected one of its draft tokens
-    drafted: int = 0  # seq.stats.draft_tokens after the last finished step
-    accepted: int = 0  # seq.stats.accepted_tokens after the last finished step
-
-    def settle(self) -> bool:
-        """Take in the step in progress, now finished; True if it rejected one of this row's draft tokens."""
-        stats = self.seq.stats
-        rejected = stats.accepted_tokens - self.accepted < stats.draft_tokens - self.drafted
-        self.asked += self.asking
-        self.rejections += rejected
-        self.drafted, self.accepted = stats.draft_tokens, stats.accepted_tokens
-        return rejected
 
 
 @dataclass
@@ -123,7 +115,6 @@ class Controller:
         return min((row.drafted + self.prior_weight * self.method_fill) / (row.asked + self.prior_weight), 1.0)
 
     def choose(self, seqs: list[Sequence]) -> int:
-        self._settle()
         gamma = self._decide(seqs)
         self.rows = {id(seq): self._row(seq) for seq in seqs}  # rows that left are forgotten
         for row in self.rows.values():
@@ -154,21 +145,26 @@ class Controller:
 
     def _row(self, seq: Sequence) -> RowTally:
         row = self.rows.get(id(seq))
-        # A new row: the engine calls choose every step, so its stats are all steps this controller saw.
-        # An id can be reused once its sequence is gone, hence the identity check.
+        # A new row starts with no samples. An id can be reused once its sequence is gone, hence the identity check.
         return row if row is not None and row.seq is seq else RowTally(seq)
 
-    def _settle(self) -> None:
-        """Take in what the last step's rows were asked, drafted and had rejected, now that the step is done."""
-        for row in self.rows.values():
-            self.method_asked += row.asking
-            self.method_rejections += row.settle()
-            row.asking = 0
-
-    def observe(self, batch: int, width: int, verify_s: float, gamma: int, draft_s: float, drafted: int, accepted: int) -> None:
-        """Record one step: its verify pass, its drafting, and the acceptance it got."""
+    def observe(
+        self, batch: int, width: int, verify_s: float, gamma: int, draft_s: float, rows: Iterable[tuple[Sequence, int, int]]
+    ) -> None:
+        """Record one step: its verify pass, its drafting, and per row (sequence, draft tokens, kept draft tokens)."""
         self.verify.observe(batch * width, verify_s)
         if gamma:
             self.draft.observe(batch, draft_s / gamma)
-        self.method_drafted += drafted
-        self.method_accepted += accepted
+        for row in self.rows.values():  # the step in progress is done: what it asked is asked
+            row.asked += row.asking
+            self.method_asked += row.asking
+            row.asking = 0
+        for seq, drafted, accepted in rows:
+            row = self.rows[id(seq)] = self._row(seq)
+            rejected = accepted < drafted
+            row.drafted += drafted
+            row.accepted += accepted
+            row.rejections += rejected
+            self.method_drafted += drafted
+            self.method_accepted += accepted
+            self.method_rejections += rejected

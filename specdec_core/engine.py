@@ -7,6 +7,11 @@ the next one. Plain decoding is the same step with no draft tokens. A tree
 proposal is the same pass with a tree mask (tree.py); the kept path's slots
 stay and the rest roll back. Per-position figures count a tree by depth: a
 row that drafted a tree of depth d drafted d positions, whatever its width.
+
+A step has three phases: propose (the drafter, cut to each row's budget),
+verify (the target pass, each row's own logits processing, then verify.py's
+rules over all rows at once) and commit (tokens, cache slots, drafter and
+controller told what was kept).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from .models.runner import BatchCache, ModelRunner
 from .sampling import greedy_tokens, make_generator, running_counts, to_probs
 from .sequence import Sequence
 from .tree import batch_layout, depths, path_counts, within_depth
-from .verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from .verify import accept_chains_greedy, accept_chains_sampled, accept_trees_greedy, accept_trees_sampled
 
 
 @dataclass
@@ -51,6 +56,18 @@ class StepReport:
     drafted_per_position: list[int] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # rows whose verification raised; removed
+
+
+@dataclass
+class Verdict:
+    """What the target pass and the acceptance rule made of a step's proposal, row by row."""
+
+    logits: torch.Tensor  # [B, width+1, V] the target's, after each row's last token then each draft
+    hidden: tuple[torch.Tensor, ...] | None  # the pass's hidden states, when the drafter reads features
+    verify_s: float
+    paths: list[list[int]]  # per row, the kept draft indices (a tree's root to leaf); [] for a failed row
+    tokens: list[list[int] | None]  # per row, the tokens to emit; None: the row failed
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
 
 class Engine:
@@ -119,82 +136,18 @@ class Engine:
             yield self.step()
 
     def step(self) -> StepReport:
-        """Decode one step for every sequence in the batch; finished ones leave the batch."""
+        """Decode one step for every sequence in the batch: propose drafts, verify them all in one target pass,
+        commit what each row kept; finished and failed rows leave the batch."""
         seqs = self.seqs
         gamma = self.controller.choose(seqs) if self.drafter else 0
         start = time.perf_counter()
         proposal = self._propose(seqs, gamma)
         draft_s = time.perf_counter() - start
-
-        width = proposal.width
-        ids = torch.zeros(len(seqs), width + 1, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, 0] = seq.tokens[-1]
-            ids[i, 1 : 1 + proposal.lengths[i]] = proposal.tokens[i, : proposal.lengths[i]]
-        parents = [row[:n] for row, n in zip(proposal.parents, proposal.lengths)] if proposal.parents else None
-        tree_mask, offsets = batch_layout(parents, width) if parents else (None, None)
-        device = self.target.device
-        features = self.wants_features
-        start = time.perf_counter()
-        logits, hidden = self.target.forward(
-            self.cache, ids.to(device), tree_mask=None if tree_mask is None else tree_mask.to(device),
-            depths=None if offsets is None else offsets.to(device), hidden_states=features,
-        )
-        verify_s = time.perf_counter() - start
-
-        positions = [max(depths(row), default=0) for row in parents] if parents else proposal.lengths
-        report = StepReport(
-            mode="speculative" if width else "plain",
-            method=self.method,
-            batch_size=len(seqs),
-            gamma=max(positions, default=0),
-            draft_s=draft_s,
-            verify_s=verify_s,
-            accepted_per_position=[0] * max(positions, default=0),
-            drafted_per_position=[0] * max(positions, default=0),
-        )
-        keep = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
-        paths, kept_features = [], []
-        for i, seq in enumerate(seqs):
-            length, drafted = proposal.lengths[i], positions[i]
-            draft = proposal.tokens[i, :length].to(device)
-            q = proposal.probs[i, :length] if proposal.probs is not None else None
-            try:
-                path, tokens = self._verify(seq, draft, q, parents[i] if parents else None, logits[i, : length + 1])
-            except Exception as exc:  # this row's numbers (NaN logits, say): it alone leaves the batch
-                report.failed.append((seq, exc))
-                path, tokens = [], None
-            slots = [0] + [1 + j for j in path]  # this step's slots the row keeps: its last token, then the path
-            keep[i, slots] = True
-            paths.append(path)
-            if features:
-                kept_features.append(hidden[-1][i, slots])
-            if tokens is None:  # failed: keeps only its last token's slot, and leaves the batch below
-                continue
-            for j in range(drafted):
-                report.drafted_per_position[j] += 1
-                report.accepted_per_position[j] += j < len(path)
-            emitted = self._emit(seq, tokens, logits[i, slots])
-            if drafted:
-                seq.stats.draft_tokens += drafted
-                # Drafts kept past a stop are never delivered, so usage does not count them.
-                seq.stats.accepted_tokens += min(len(path), len(emitted))
-                seq.stats.verify_steps += 1
-                seq.stats.gamma_sum += drafted
-                seq.stats.emitted_tokens += len(emitted)
-            report.rows.append(RowResult(seq, emitted, drafted, len(path)))
-        self.cache.commit(keep.to(device))
-        if self.drafter and (width or features):  # feature drafters need every committed token's features
-            self.drafter.accepted(seqs, proposal, paths, kept_features if features else None)
-        self.controller.observe(
-            len(seqs), width + 1, verify_s, width, draft_s,
-            drafted=sum(positions), accepted=sum(row.accepted for row in report.rows),
-        )
-        report.finished = [seq for seq in seqs if seq.finished]
-        self.remove(report.finished + [seq for seq, _ in report.failed])
-        return report
+        verdict = self._verify(seqs, proposal)
+        return self._commit(seqs, proposal, verdict, draft_s)
 
     def _propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+        """The drafter's proposal cut to each row's token budget; trees come back with exactly their nodes' parents."""
         empty = Proposal(tokens=torch.zeros(len(seqs), 0, dtype=torch.long), lengths=[0] * len(seqs), probs=None)
         if not gamma or not self.drafter:
             return empty
@@ -206,22 +159,124 @@ class Engine:
             return proposal
         return _trees_within(proposal, budgets)
 
-    def _verify(
-        self, seq: Sequence, draft: torch.Tensor, q: torch.Tensor | None, parents: list[int] | None, logits: torch.Tensor
-    ) -> tuple[list[int], list[int]]:
-        """(the kept draft indices, the emitted tokens) of one row; `parents` None is a chain."""
+    def _verify(self, seqs: list[Sequence], proposal: Proposal) -> Verdict:
+        """One target pass over every row's last token and drafts, then the acceptance rule over all rows at once."""
+        width, device = proposal.width, self.target.device
+        lengths = torch.tensor(proposal.lengths)
+        drafts = torch.where(torch.arange(width) < lengths[:, None], proposal.tokens[:, :width].cpu(), 0)  # host
+        ids = torch.cat([torch.tensor([seq.tokens[-1] for seq in seqs], dtype=torch.long)[:, None], drafts], dim=1)
+        tree_mask, offsets = batch_layout(proposal.parents, width) if proposal.parents else (None, None)
+        start = time.perf_counter()
+        logits, hidden = self.target.forward(
+            self.cache, ids.to(device), tree_mask=None if tree_mask is None else tree_mask.to(device),
+            depths=None if offsets is None else offsets.to(device), hidden_states=self.wants_features,
+        )
+        verdict = Verdict(logits, hidden, time.perf_counter() - start, paths=[[] for _ in seqs], tokens=[None] * len(seqs))
+        targets, failures = self._row_targets(seqs, proposal, drafts, logits)
+        drafts = drafts.to(device)
+        for greedy in (True, False):  # the two rules, each over all its rows
+            rows = [i for i in targets if seqs[i].params.greedy == greedy]
+            if rows:
+                self._accept(verdict, rows, [seqs[i] for i in rows], [targets[i] for i in rows], drafts, proposal)
+        verdict.failed = [(seqs[i], failures[i]) for i in sorted(failures)]
+        return verdict
+
+    def _row_targets(
+        self, seqs: list[Sequence], proposal: Proposal, drafts: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[dict[int, torch.Tensor], dict[int, Exception]]:
+        """Each row's `_targets` by row index, and the rows that failed: a row whose processing raises, or whose
+        probabilities the draws would refuse (NaN logits, say), fails alone before the batch's acceptance."""
+        targets: dict[int, torch.Tensor] = {}
+        failures: dict[int, Exception] = {}
+        for i, seq in enumerate(seqs):
+            n = proposal.lengths[i]
+            try:
+                targets[i] = self._targets(seq, drafts[i, :n], proposal.parents[i] if proposal.parents else None, logits[i, : n + 1])
+            except Exception as exc:
+                failures[i] = exc
+        sampled = [i for i in targets if not seqs[i].params.greedy]
+        if sampled:
+            probs = torch.nn.utils.rnn.pad_sequence([targets[i] for i in sampled], batch_first=True)
+            invalid = ~(probs.isfinite() & (probs >= 0)).flatten(1).all(-1)
+            for i, bad in zip(sampled, invalid.tolist()):  # one read back for all rows
+                if bad:
+                    failures[i] = ValueError(f"{seqs[i].request_id}: the target's probabilities are not finite and non-negative")
+                    del targets[i]
+        return targets, failures
+
+    def _targets(self, seq: Sequence, draft: torch.Tensor, parents: list[int] | None, logits: torch.Tensor) -> torch.Tensor:
+        """What one row's drafts are judged against, after its own penalties, temperature and top-k/top-p: the
+        target's argmax tokens [n+1] (greedy) or distributions [n+1, V], after the root then after each draft."""
         vocab = self.target.vocab_size
-        if parents is None:
-            counts = running_counts(seq.counts, draft, vocab)
-            if seq.params.greedy:
-                accepted, tokens = verify_greedy(draft, greedy_tokens(logits, seq.params, counts))
-            else:
-                accepted, tokens = verify_sampled(draft, q, to_probs(logits, seq.params, counts), seq.generator)
-            return list(range(accepted)), tokens
-        counts = path_counts(seq.counts, draft, parents, vocab)
+        counts = running_counts(seq.counts, draft, vocab) if parents is None else path_counts(seq.counts, draft, parents, vocab)
         if seq.params.greedy:
-            return verify_tree_greedy(draft, parents, greedy_tokens(logits, seq.params, counts))
-        return verify_tree_sampled(draft, parents, q, to_probs(logits, seq.params, counts), seq.generator)
+            return greedy_tokens(logits, seq.params, counts)
+        return to_probs(logits, seq.params, counts)
+
+    def _accept(
+        self, verdict: Verdict, rows: list[int], seqs: list[Sequence], targets: list[torch.Tensor], drafts: torch.Tensor,
+        proposal: Proposal,
+    ) -> None:
+        """Batched acceptance for the batch's `rows` (their sequences `seqs`, all greedy or all sampled) into
+        verdict's paths and tokens."""
+        targets = torch.nn.utils.rnn.pad_sequence(targets, batch_first=True)  # [b, G+1] tokens or [b, G+1, V] probs
+        index = torch.tensor(rows, device=drafts.device)
+        drafts = drafts[index, : targets.shape[1] - 1]
+        lengths = [proposal.lengths[i] for i in rows]
+        parents = [proposal.parents[i] for i in rows] if proposal.parents else None
+        if seqs[0].params.greedy:
+            accepted = accept_chains_greedy(drafts, lengths, targets) if parents is None else accept_trees_greedy(drafts, parents, targets)
+        else:
+            q = None if proposal.probs is None else proposal.probs.to(drafts.device)[index, : drafts.shape[1]]
+            generators = [seq.generator for seq in seqs]
+            accepted = (
+                accept_chains_sampled(drafts, lengths, targets, q, generators) if parents is None
+                else accept_trees_sampled(drafts, parents, targets, q, generators)
+            )
+        # Read back to the host once the rule has run for every row.
+        counts, tokens = accepted.counts.tolist(), accepted.tokens.tolist()
+        paths = accepted.path.tolist() if accepted.path is not None else [list(range(n)) for n in counts]
+        for i, n, path, emitted in zip(rows, counts, paths, tokens):
+            verdict.paths[i], verdict.tokens[i] = path[:n], emitted[: n + 1]
+
+    def _commit(self, seqs: list[Sequence], proposal: Proposal, verdict: Verdict, draft_s: float) -> StepReport:
+        """Append each row's tokens, keep its last token's and kept drafts' cache slots, tell the drafter and
+        the controller what was kept, and take finished and failed rows out of the batch."""
+        width, features = proposal.width, self.wants_features
+        drafted = [max(depths(row), default=0) for row in proposal.parents] if proposal.parents else proposal.lengths
+        keep = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
+        kept_features, rows = [], []
+        for i, (seq, path, tokens) in enumerate(zip(seqs, verdict.paths, verdict.tokens)):
+            slots = [0] + [1 + j for j in path]  # this step's slots the row keeps: its last token, then the path
+            keep[i, slots] = True
+            if features:
+                kept_features.append(verdict.hidden[-1][i, slots])
+            if tokens is not None:  # a failed row keeps only its last token's slot, and leaves the batch below
+                emitted = self._emit(seq, tokens, verdict.logits[i, slots])
+                _count_speculation(seq, drafted[i], len(path), emitted)
+                rows.append(RowResult(seq, emitted, drafted[i], len(path)))
+        self.cache.commit(keep.to(self.target.device))
+        if self.drafter and (width or features):  # feature drafters need every committed token's features
+            self.drafter.accepted(seqs, proposal, verdict.paths, kept_features if features else None)
+        self.controller.observe(
+            len(seqs), width + 1, verdict.verify_s, width, draft_s, [(row.seq, row.drafted, row.accepted) for row in rows],
+        )
+        positions = max(drafted, default=0)
+        report = StepReport(
+            mode="speculative" if width else "plain",
+            method=self.method,
+            batch_size=len(seqs),
+            gamma=positions,
+            draft_s=draft_s,
+            verify_s=verdict.verify_s,
+            rows=rows,
+            accepted_per_position=[sum(row.accepted > j for row in rows) for j in range(positions)],
+            drafted_per_position=[sum(row.drafted > j for row in rows) for j in range(positions)],
+            finished=[seq for seq in seqs if seq.finished],
+            failed=verdict.failed,
+        )
+        self.remove(report.finished + [seq for seq, _ in report.failed])
+        return report
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> list[int]:
         """Append tokens (the j-th drawn from logits[j]) up to the first stop; returns those appended."""
@@ -243,6 +298,19 @@ class Engine:
             if seq.finished:
                 break
         return emitted
+
+
+def _count_speculation(seq: Sequence, drafted: int, kept: int, emitted: list[int]) -> None:
+    """Add one step's figures to the row's usage, if it drafted."""
+    if not drafted:
+        return
+    stats = seq.stats
+    stats.draft_tokens += drafted
+    # Drafts kept past a stop are never delivered, so usage does not count them.
+    stats.accepted_tokens += min(kept, len(emitted))
+    stats.verify_steps += 1
+    stats.gamma_sum += drafted
+    stats.emitted_tokens += len(emitted)
 
 
 def _trees_within(proposal: Proposal, max_depths: list[int]) -> Proposal:

@@ -48,18 +48,16 @@ def simulate(
         gamma = controller.choose(seqs)
         chosen.append(gamma)
         lengths = [gamma if drafting(i) else 0 for i in range(len(seqs))]
-        accepted = 0
+        rows = []
         for seq, length in zip(seqs, lengths):
             if in_runs:
                 kept = length if rng.random() < acceptance else 0
             else:
                 kept = next((j for j in range(length) if rng.random() >= acceptance), length)
-            seq.stats.draft_tokens += length
-            seq.stats.accepted_tokens += kept
-            accepted += kept
+            rows.append((seq, length, kept))
         width = max(lengths)
         verify_s = verify_cost(len(seqs) * (width + 1))
-        controller.observe(len(seqs), width + 1, verify_s, width, width * DRAFT_S, sum(lengths), accepted)
+        controller.observe(len(seqs), width + 1, verify_s, width, width * DRAFT_S, rows)
     return chosen
 
 
@@ -125,7 +123,7 @@ def test_batches_above_max_speculative_batch_decode_plainly(fixed_gamma):
 def test_plain_first_until_a_plain_step_is_measured():
     controller = Controller()
     assert controller.choose(batch(1)) == 0
-    controller.observe(1, 1, VERIFY_S, 0, 0.0, 0, 0)
+    controller.observe(1, 1, VERIFY_S, 0, 0.0, rows=[])
     assert controller.choose(batch(1)) > 0  # no acceptance measured yet: optimistic
 
 

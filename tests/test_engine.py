@@ -172,6 +172,28 @@ def test_seeded_sampling_is_reproducible_and_ignores_the_global_rng(tiny_target,
     assert sampled(0) == sampled(1) != sampled(0, seed_offset=100)
 
 
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_a_row_with_nan_probabilities_fails_alone(tiny_target, tiny_prompts, drafter):
+    """A NaN logit bias makes one sampled row's probabilities NaN: that row fails in its first step and leaves;
+    the rows beside it, greedy and seeded, decode as they would without it."""
+
+    def rows(doomed: bool) -> list[Sequence]:
+        engine = Engine(tiny_target, NgramDrafter() if drafter else None, Controller(fixed_gamma=3), eos_ids(tiny_target))
+        seqs = [Sequence("greedy", tiny_prompts[2] * 2, SamplingParams(temperature=0), 12),
+                Sequence("seeded", tiny_prompts[0] * 2, SamplingParams(temperature=1.0, seed=3), 12)]
+        if doomed:
+            seqs.insert(1, Sequence("nan", tiny_prompts[1], SamplingParams(temperature=1.0, logit_bias={5: float("nan")}), 12))
+        reports = decode(engine, seqs)
+        assert [seq.request_id for report in reports for seq, _ in report.failed] == (["nan"] if doomed else [])
+        assert not any(row.seq.request_id == "nan" for report in reports for row in report.rows)
+        return [seq for seq in seqs if seq.request_id != "nan"]
+
+    alone = rows(doomed=False)
+    beside = rows(doomed=True)
+    assert [seq.output_ids for seq in beside] == [seq.output_ids for seq in alone]
+    assert all(seq.finished for seq in beside)
+
+
 def test_an_empty_prompt_is_refused(tiny_target):
     with pytest.raises(ValueError, match="at least one token"):
         Engine(tiny_target, None, Controller(), set()).add(Sequence("empty", [], SamplingParams(), 4))

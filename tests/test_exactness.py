@@ -13,6 +13,7 @@ correction; a bonus token drawn at the wrong position) and must fail it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,7 +28,7 @@ from specdec_core.drafters.ngram import NgramDrafter, lookup
 from specdec_core.engine import Engine
 from specdec_core.sampling import SamplingParams, make_generator, sample, to_probs
 from specdec_core.sequence import Sequence
-from specdec_core.verify import verify_sampled
+from specdec_core.verify import accept_chains_sampled
 
 from .helpers import tiny_runner
 from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
@@ -165,20 +166,25 @@ def test_speculative_sampling_is_distributed_as_the_target(target, draft, drafte
     assert min(result.values()) > ALPHA, result
 
 
-def no_residual(draft, q, p, generator):
-    """A wrong rule: on rejection, draw the replacement from p instead of norm(max(0, p - q))."""
-    accepted, emitted = verify_sampled(draft, q, p, generator)
-    if accepted < len(draft):
-        emitted[-1] = int(sample(p[accepted : accepted + 1], generator))
-    return accepted, emitted
+def wrong_rule(redraw_at: Callable[[int, int], int | None]):
+    """accept_chains_sampled, except that a row which kept n of its g drafts draws its last token again, from p at
+    position redraw_at(n, g) (None: it keeps the right one)."""
+
+    def rule(drafts, lengths, p, q, generators):
+        accepted = accept_chains_sampled(drafts, lengths, p, q, generators)
+        for i, (n, g, generator) in enumerate(zip(accepted.counts.tolist(), lengths, generators)):
+            at = redraw_at(n, g)
+            if at is not None:
+                accepted.tokens[i, n] = sample(p[i, at : at + 1], generator)[0]
+        return accepted
+
+    return rule
 
 
-def stale_bonus(draft, q, p, generator):
-    """A wrong rule: when every draft is kept, draw the bonus from the last draft's position, not the next."""
-    accepted, emitted = verify_sampled(draft, q, p, generator)
-    if accepted == len(draft) > 0:
-        emitted[-1] = int(sample(p[accepted - 1 : accepted], generator))
-    return accepted, emitted
+# A wrong rule: on rejection, draw the replacement from p instead of norm(max(0, p - q)).
+no_residual = wrong_rule(lambda n, g: n if n < g else None)
+# A wrong rule: when every draft is kept, draw the bonus from the last draft's position, not the next.
+stale_bonus = wrong_rule(lambda n, g: n - 1 if n == g > 0 else None)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +197,7 @@ def stale_bonus(draft, q, p, generator):
     ],
 )
 def test_negative_control_wrong_rules_fail(target, draft, drafter, rule, rows, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_sampled", rule)
+    monkeypatch.setattr(engine_module, "accept_chains_sampled", rule)
     prompt, params = PROMPTS[drafter], PARAMS["t1"]
     tokens, _ = generate(target, make_drafter(drafter, draft), prompt, params, rows)
     result = pvalues(tokens, exact(target, prompt, params))

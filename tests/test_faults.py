@@ -415,14 +415,14 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(served, bystanders):
 
 def test_a_row_that_fails_in_decoding_fails_its_request_alone(served, bystanders, monkeypatch):
     engine = served.app.state.scheduler.engine
-    verify = engine._verify
+    targets = engine._targets
 
-    def failing(seq, *args):  # stands in for a numerical failure in one row: its sampling raises
+    def failing(seq, *args):  # stands in for a numerical failure in one row: its logits processing raises
         if seq.params.seed in (424242, 424243):  # both choices of the doomed request (n=2: seed + index)
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return verify(seq, *args)
+        return targets(seq, *args)
 
-    monkeypatch.setattr(engine, "_verify", failing)
+    monkeypatch.setattr(engine, "_targets", failing)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "logit_bias": NO_EOS, "temperature": 1}
     doomed = httpx.post(f"{served.url}/v1/completions", json=body | {"seed": 424242, "n": 2}, timeout=120)
     assert doomed.status_code == 500

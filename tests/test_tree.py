@@ -22,7 +22,7 @@ from specdec_core.models.runner import BatchCache
 from specdec_core.sampling import SamplingParams, sample
 from specdec_core.sequence import Sequence
 from specdec_core.tree import ancestors_mask, batch_layout, children, depths, path_counts, within_depth
-from specdec_core.verify import verify_tree_sampled
+from specdec_core.verify import Accepted, accept_trees_greedy, accept_trees_sampled
 
 from .helpers import decode, full_logits, greedy_reference, tiny_runner
 from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
@@ -137,37 +137,67 @@ def test_tree_sampling_is_distributed_as_the_target(target, siblings, setting):
     assert min(result.values()) > ALPHA, result
 
 
-def no_sibling_residual(tokens, parents, q, p, generator):
+def no_sibling_residual(tokens, parents, p, q, generators) -> Accepted:
     """A wrong rule: try each sibling against the untouched p, not the residual the last rejection left."""
-    kids = children(parents)
-    path, at = [], 0
-    while True:
-        for j in kids[at]:
-            x = int(tokens[j])
-            q_x = float(q[j, x]) if q is not None else 1.0
-            if float(torch.rand(1, generator=generator)) * q_x < float(p[at, x]):
-                path.append(j)
-                at = j + 1
+    paths, emitted = [], []
+    for i, (row, generator) in enumerate(zip(parents, generators)):
+        kids, path, at = children(row), [], 0
+        while True:
+            for j in kids[at]:
+                x = int(tokens[i, j])
+                q_x = float(q[i, j, x]) if q is not None else 1.0
+                if float(torch.rand(1, generator=generator)) * q_x < float(p[i, at, x]):
+                    path.append(j)
+                    at = j + 1
+                    break
+            else:
                 break
-        else:
-            return path, tokens[path].tolist() + [int(sample(p[at][None], generator))]
+        paths.append(path)
+        emitted.append(tokens[i, path].tolist() + [int(sample(p[i, at][None], generator))])
+    depth = max(map(len, paths), default=0)
+    return Accepted(
+        torch.tensor([len(path) for path in paths]),
+        torch.tensor([row + [0] * (depth + 1 - len(row)) for row in emitted]),
+        torch.tensor([path + [-1] * (depth - len(path)) for path in paths]).view(len(paths), depth),
+    )
 
 
 def test_negative_control_a_wrong_sibling_rule_fails(target, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_tree_sampled", no_sibling_residual)
+    monkeypatch.setattr(engine_module, "accept_trees_sampled", no_sibling_residual)
     params = PARAMS["t1"]
     tokens, _ = generate(target, FixedTreeDrafter(PARENTS, likely_tree(target, PROMPT)), PROMPT, params, ROWS // 2)
     result = pvalues(tokens, exact(target, PROMPT, params))
     assert min(result.values()) < ALPHA * 1e-3, result
 
 
-def test_verify_tree_sampled_keeps_a_sure_path_and_draws_the_bonus_after_it():
-    p = torch.zeros(3, 4)
-    p[0, 2] = 1.0  # after the root the target is sure of 2: node 1
-    p[2, 3] = 1.0  # after node 1 it is sure of 3 (no child): the bonus
-    tokens = torch.tensor([1, 2])
-    path, emitted = verify_tree_sampled(tokens, [-1, -1], None, p, torch.Generator().manual_seed(0))
-    assert path == [1] and emitted == [2, 3]
+def kept(accepted: Accepted, row: int) -> tuple[list[int], list[int]]:
+    """(kept nodes, emitted tokens) of one row of a batched result."""
+    n = int(accepted.counts[row])
+    return accepted.path[row, :n].tolist(), accepted.tokens[row, : n + 1].tolist()
+
+
+def test_trees_of_a_batch_keep_a_sure_path_and_draw_the_bonus_after_it():
+    # Row 0: after the root the target is sure of 2 (node 1), after node 1 of 3 (no child): the bonus.
+    # Row 1, PARENTS: sure of node 1's token 8, then of node 5's 9 (a leaf), then of 4.
+    p = torch.zeros(2, len(PARENTS) + 1, 10)
+    p[0, 0, 2] = p[0, 2, 3] = 1.0
+    p[1, 0, 8] = p[1, 2, 9] = p[1, 6, 4] = 1.0
+    tokens = torch.tensor([[1, 2, 0, 0, 0, 0], [7, 8, 1, 1, 1, 9]])
+    for q in (None, torch.full((2, len(PARENTS), 10), 0.1)):
+        generators = [torch.Generator().manual_seed(seed) for seed in (0, 1)]
+        result = accept_trees_sampled(tokens, [[-1, -1], PARENTS], p, q, generators)
+        assert kept(result, 0) == ([1], [2, 3]) and kept(result, 1) == ([1, 5], [8, 9, 4])
+
+
+def test_greedy_trees_of_a_batch_follow_the_first_child_equal_to_the_argmax():
+    tokens = torch.tensor([[7, 8, 5, 5, 6, 9], [3, 3, 4, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    parents = [PARENTS, [-1, -1, 1], []]
+    targets = torch.zeros(3, len(PARENTS) + 1, dtype=torch.long)
+    targets[0, [0, 1, 3, 5]] = torch.tensor([7, 5, 6, 2])  # root -> node 0 -> node 2 (first of the two 5s) -> node 4
+    targets[1, [0, 1]] = torch.tensor([3, 4])  # node 0 (of two 3s), which has no child 4: the target's 4 follows
+    targets[2, 0] = 1  # no nodes: plain decoding
+    result = accept_trees_greedy(tokens, parents, targets)
+    assert [kept(result, i) for i in range(3)] == [([0, 2, 4], [7, 5, 6, 2]), ([0], [3, 4]), ([], [1])]
 
 
 @pytest.mark.parametrize("siblings", ["deterministic", "sampled"])
