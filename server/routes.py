@@ -155,14 +155,15 @@ async def _run(
     """Submit n sequences per prompt as one job; answer with JSON or an SSE stream."""
     scheduler: Scheduler = request.app.state.scheduler
     envelope = Envelope(fmt.prefix, request.app.state.model_name)
+    client = request.state.client  # the guard's name for the caller: an API key's hash, else the address
     choices = []
     for ids in prompts:
         for i in range(body.n):
             index = len(choices)
             params = body.sampling(i, scheduler.model.vocab_size)
-            seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs)
+            seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs, client=client)
             choices.append(Choice(index, seq, body.stop, echo_logprobs))
-    job = MeteredJob(choices, request.app.state.limiter, request.state.client)
+    job = MeteredJob(choices, request.app.state.limiter, client)
     scheduler.submit(job)
     prompt_tokens = sum(len(ids) for ids in prompts)
     if body.stream:

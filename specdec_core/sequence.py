@@ -41,6 +41,7 @@ class Sequence:
     params: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
+    client: str | None = None  # who asked (API key hash, else address): the suffix drafter's memory is per client
     top_logprobs: int | None = None  # None: no logprobs; k: the target's logprob plus its top k
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)

@@ -1,0 +1,203 @@
+"""Suffix drafter (SuffixDecoding, Oliaro et al. 2025): token trees from the text a request repeats, and
+from what earlier requests produced.
+
+Two memories answer the same question, "where did the text just before the cursor occur, and what
+followed it?": the request's own prompt and output, and a global memory of earlier requests' outputs
+(bounded by `max_tokens`, least recently used requests evicted first). The pattern is the longest suffix
+of the row's tokens found in either memory (up to `max_match` tokens). Every occurrence of it votes for
+the tokens that followed, and the votes make a tree of continuations: a node's count is the number of
+occurrences whose continuation passes through it, and count / occurrences estimates the probability
+that the target goes that way. Nodes are taken best first while that estimate is at least
+`min_probability`, up to `factor` x the match length nodes: a long match earns a large tree, a short
+one a small tree or none. The tree is deterministic (siblings are distinct tokens, q one-hot), so the
+engine's exact tree verification keeps the target's distribution.
+
+Both memories index every bigram of their documents by where it ends, and grow by appending: a step
+costs O(new tokens) to update and O(candidates x match length) to look up, never a rescan. Which
+client's outputs a request may draft from is the privacy question: drafts never change what a request
+receives (verification is exact), but a faster answer can tell a client that someone's text is in the
+memory, a timing side channel. So by default each client (API key, else address) drafts only from its
+own earlier requests; `shared` pools them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+
+KEY = 2  # tokens of the index's key: a match is at least this long
+MAX_CANDIDATES = 64  # most recent occurrences of the key examined per lookup and memory
+
+
+@dataclass
+class Document:
+    """One request's tokens in a memory, and whose they are."""
+
+    id: int
+    owner: str | None
+    tokens: list[int] = field(default_factory=list)
+
+
+class TokenMemory:
+    """Documents of tokens, indexed by each bigram's end position; appended to, and evicted whole (LRU).
+
+    Evicting leaves the evicted document's index entries behind, skipped by lookups, and rebuilds the index
+    once they outnumber the live ones: eviction then costs O(1) per token, amortized, like appending.
+    """
+
+    def __init__(self, max_tokens: int | None = None):
+        self.max_tokens = max_tokens
+        self.documents: OrderedDict[int, Document] = OrderedDict()  # least recently used first
+        self.index: defaultdict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)  # key -> (doc, end)
+        self.size = 0  # tokens held
+        self.stale = 0  # index entries of evicted documents
+        self._next_id = 0
+
+    def add(self, owner: str | None, tokens: list[int] = ()) -> int:
+        """A new document of (at most max_tokens of the last of) `tokens`, evicting the least recently used
+        ones past the bound; its id."""
+        doc = self._next_id
+        self._next_id += 1
+        self.documents[doc] = Document(doc, owner)
+        self.extend(doc, list(tokens)[-self.max_tokens :] if self.max_tokens else list(tokens))
+        return doc
+
+    def extend(self, doc: int, tokens: list[int]) -> None:
+        text = self.documents[doc].tokens
+        for token in tokens:
+            text.append(token)
+            if len(text) >= KEY:
+                self.index[tuple(text[-KEY:])].append((doc, len(text)))
+        self.size += len(tokens)
+        self.documents.move_to_end(doc)
+        while self.max_tokens is not None and self.size > self.max_tokens:
+            self._evict(next(iter(self.documents)))
+
+    def _evict(self, doc: int) -> None:
+        document = self.documents.pop(doc)
+        self.size -= len(document.tokens)
+        self.stale += max(len(document.tokens) - KEY + 1, 0)
+        if self.stale > self.size:
+            self.index.clear()
+            for live in self.documents.values():
+                for end in range(KEY, len(live.tokens) + 1):
+                    self.index[tuple(live.tokens[end - KEY : end])].append((live.id, end))
+            self.stale = 0
+
+    def matches(self, context: list[int], owner: str | None, shared: bool, max_match: int
+                ) -> tuple[int, list[tuple[Document, int]]]:
+        """The longest match of a suffix of `context` (at most max_match tokens) and its occurrences, each as
+        (document, position its continuation starts at), among the MAX_CANDIDATES most recent occurrences of
+        its last KEY tokens. A document's own end is not an occurrence: nothing follows it yet."""
+        if len(context) < KEY:
+            return 0, []
+        best, found, examined = 0, [], 0
+        for doc, end in reversed(self.index.get(tuple(context[-KEY:]), ())):
+            document = self.documents.get(doc)
+            if document is None or end == len(document.tokens) or (not shared and document.owner != owner):
+                continue
+            text, length = document.tokens, KEY
+            while length < min(max_match, end, len(context)) and text[end - length - 1] == context[-length - 1]:
+                length += 1
+            if length > best:
+                best, found = length, [(document, end)]
+            elif length == best:
+                found.append((document, end))
+            examined += 1
+            if examined == MAX_CANDIDATES:
+                break
+        for document, _ in found:
+            self.documents.move_to_end(document.id)
+        return best, found
+
+
+def continuation_tree(continuations: list[list[int]], max_nodes: int, min_probability: float
+                      ) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the most supported continuations, best first: each node's support is the share of
+    continuations through it, and nodes below min_probability are left out. Parents come before children,
+    since a child never has more support than its parent."""
+    children: list[dict[int, int]] = [{}]  # node 0 is the root
+    counts = [len(continuations)]
+    node_tokens = [-1]
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            child = children[node].get(token)
+            if child is None:
+                child = children[node][token] = len(counts)
+                children.append({})
+                counts.append(0)
+                node_tokens.append(token)
+            counts[child] += 1
+            node = child
+    if not continuations:
+        return [], []
+    tokens, parents, position = [], [], {0: -1}
+    heap = [(-counts[child], child, 0) for child in children[0].values()]
+    heapq.heapify(heap)
+    while heap and len(tokens) < max_nodes:
+        count, node, parent = heapq.heappop(heap)
+        if -count / len(continuations) < min_probability:
+            break
+        position[node] = len(tokens)
+        tokens.append(node_tokens[node])
+        parents.append(position[parent])
+        for child in children[node].values():
+            heapq.heappush(heap, (-counts[child], child, node))
+    return tokens, parents
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, max_tokens: int, shared: bool = False, factor: float = 2.0, min_probability: float = 0.1,
+                 max_match: int = 32, max_nodes: int = 32):
+        if max_match < KEY:
+            raise ValueError(f"suffix.max_match must be at least {KEY}, got {max_match}")
+        self.global_memory = TokenMemory(max_tokens)
+        self.shared = shared
+        self.factor, self.min_probability = factor, min_probability
+        self.max_match, self.max_nodes = max_match, max_nodes
+        self.rows: list[tuple[Sequence, TokenMemory, int]] = []  # per row: its sequence, its own memory, the doc
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+        own = TokenMemory()
+        self.rows.append((seq, own, own.add(seq.client, seq.tokens)))
+
+    def remove(self, keep: list[int]) -> None:
+        kept = set(keep)
+        for i, (seq, _, _) in enumerate(self.rows):
+            if i not in kept and seq.output_ids:  # gone: what it produced is memory for later requests
+                self.global_memory.add(seq.client, seq.output_ids)
+        self.rows = [self.rows[i] for i in keep]
+
+    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
+        trees = [self._tree(i, seq, gamma) for i, seq in enumerate(seqs)]
+        width = max((len(tokens) for tokens, _ in trees), default=0)
+        proposal_tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, (tokens, _) in enumerate(trees):
+            proposal_tokens[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return Proposal(tokens=proposal_tokens, lengths=[len(tokens) for tokens, _ in trees], probs=None,
+                        parents=[parents for _, parents in trees])
+
+    def _tree(self, row: int, seq: Sequence, gamma: int) -> tuple[list[int], list[int]]:
+        _, own, doc = self.rows[row]
+        seen = len(own.documents[doc].tokens)
+        own.extend(doc, seq.tokens[seen:])  # catch up with what the last steps emitted
+        context = seq.tokens
+        found = [own.matches(context, seq.client, True, self.max_match),
+                 self.global_memory.matches(context, seq.client, self.shared, self.max_match)]
+        length = max(match for match, _ in found)
+        if not length:
+            return [], []
+        continuations = [document.tokens[start : start + gamma]
+                         for match, occurrences in found if match == length for document, start in occurrences]
+        max_nodes = min(self.max_nodes, math.ceil(self.factor * length))
+        return continuation_tree([c for c in continuations if c], max_nodes, self.min_probability)
