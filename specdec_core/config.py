@@ -48,6 +48,15 @@ class NgramConfig(Section):
     max_len: int = Field(8, ge=1, description="Most tokens proposed from one match")
 
 
+class SuffixConfig(Section):
+    max_tokens: int = Field(262_144, ge=1, description="Earlier requests' output tokens the global memory holds (about 120 bytes each); the least recently used requests leave first")
+    shared: bool = Field(False, description="Draft every client from every client's earlier outputs; false keeps each client (API key, else address) to its own, since a faster answer can reveal that someone's text is in the memory")
+    factor: float = Field(1.0, gt=0, description="Most tree nodes per token of the match (SuffixDecoding's max_spec_factor): longer matches earn larger trees")
+    min_probability: float = Field(0.1, ge=0, le=1, description="A node joins the tree when at least this share of the match's occurrences continue through it")
+    max_match: int = Field(32, ge=2, description="Longest suffix matched against the memories, in tokens")
+    max_nodes: int = Field(16, ge=1, description="Most nodes of a row's tree, whatever its match")
+
+
 class LayerSkipConfig(Section):
     k: int | None = Field(None, ge=1, description="Target layers the layer-skip draft runs (the first k); null: 3/4 of them, rounded down. Measure with `python -m specdec_tools.calibrate`")
 
@@ -87,6 +96,7 @@ class SpeculationConfig(Section):
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="n-gram / prompt-lookup settings")
     early_exit: float = Field(0.0, ge=0, le=1, description="Model drafters stop a row's draft when their top probability falls under this; 0 never stops early")
     vocab_size: int | None = Field(None, ge=1, description="Model drafters predict over the target's this many most frequent tokens (counted over Python's stdlib); null: all (measured: on chat prompts a reduced set lost more acceptance than it saved)")
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="suffix (SuffixDecoding) settings: trees from the request's own text and earlier requests' outputs")
     layer_skip: LayerSkipConfig = Field(default_factory=LayerSkipConfig, description="layer-skip (self-speculative) settings")
     quantized: QuantizedConfig = Field(default_factory=QuantizedConfig, description="quantized-copy drafter settings")
     hybrid: HybridConfig = Field(default_factory=HybridConfig, description="hybrid (n-gram, else a model drafter) settings")

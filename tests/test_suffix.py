@@ -1,5 +1,6 @@
 """The suffix drafter: its memory (incremental updates equal a rebuild, the bound, LRU eviction, per-client
-isolation), its continuation trees, and its proposals through the real engine (greedy equals plain)."""
+isolation), its continuation trees, and its proposals through the real engine: greedy equals plain, and
+sampling passes the chi-square test that a wrong sibling rule fails."""
 
 from __future__ import annotations
 
@@ -7,17 +8,35 @@ import random
 
 import pytest
 
-from specdec_core.build import eos_ids
+from specdec_core import engine as engine_module
 from specdec_core.control import Controller
-from specdec_core.drafters.suffix import KEY, SuffixDrafter, TokenMemory, continuation_tree
+from specdec_core.drafters.suffix import (
+    KEY,
+    SuffixDrafter,
+    TokenMemory,
+    continuation_tree,
+)
 from specdec_core.engine import Engine
+from specdec_core.models.loading import eos_ids
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_core.tree import depths
 
-from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
-from .test_engine import TINY_LONGEST, assert_rows_match, run_rows, speculation
-from .test_engine import tiny_prompts, tiny_references, tiny_target  # noqa: F401  (fixtures)
+from .helpers import (
+    single_thread,  # noqa: F401  (autouse: torch on one thread)
+    tiny_runner,
+)
+from .test_engine import (  # noqa: F401  (fixtures)
+    TINY_LONGEST,
+    assert_rows_match,
+    run_rows,
+    speculation,
+    tiny_prompts,
+    tiny_references,
+    tiny_target,
+)
+from .test_exactness import ALPHA, PARAMS, ROWS, VOCAB, exact, generate, pvalues
+from .test_tree import no_sibling_residual
 
 
 def live_index(memory: TokenMemory) -> dict[tuple[int, ...], list[tuple[int, int]]]:
@@ -119,7 +138,7 @@ def test_a_longer_match_earns_a_larger_tree():
 
 @pytest.mark.parametrize("gamma", [None, 3], ids=["controller", "fixed-gamma-3"])
 def test_suffix_rows_equal_plain_greedy(tiny_target, tiny_prompts, tiny_references, gamma):  # noqa: F811
-    engine = Engine(tiny_target, SuffixDrafter(max_tokens=10_000), Controller(fixed_gamma=gamma), eos_ids(tiny_target))
+    engine = Engine(tiny_target, SuffixDrafter(max_tokens=10_000, factor=2.0), Controller(fixed_gamma=gamma), eos_ids(tiny_target))
     seqs, _ = run_rows(engine, tiny_prompts * 2, TINY_LONGEST, temperature=0)
     assert_rows_match(seqs, tiny_references * 2)
     if gamma:
@@ -131,7 +150,7 @@ def test_suffix_rows_equal_plain_greedy(tiny_target, tiny_prompts, tiny_referenc
 def test_a_request_drafts_from_an_earlier_requests_output(tiny_target, tiny_prompts, tiny_references, shared, second_client):  # noqa: F811
     """The same prompt twice, greedy: the second request's output repeats the first's, which the global memory
     holds once the first has left, for the same client or, when shared, for any."""
-    engine = Engine(tiny_target, SuffixDrafter(max_tokens=10_000, shared=shared), Controller(fixed_gamma=4), eos_ids(tiny_target))
+    engine = Engine(tiny_target, SuffixDrafter(max_tokens=10_000, shared=shared, factor=2.0), Controller(fixed_gamma=4), eos_ids(tiny_target))
     prompt, reference = tiny_prompts[0], tiny_references[0][:TINY_LONGEST]
     first = Sequence("first", list(prompt), SamplingParams(temperature=0), TINY_LONGEST, client="alice")
     second = Sequence("second", list(prompt), SamplingParams(temperature=0), TINY_LONGEST, client=second_client)
@@ -143,3 +162,28 @@ def test_a_request_drafts_from_an_earlier_requests_output(tiny_target, tiny_prom
         assert second.stats.accepted_tokens > first.stats.accepted_tokens and steps["second"] < steps["first"]
     else:  # its own memory only, as the first had
         assert (second.stats.accepted_tokens, steps["second"]) == (first.stats.accepted_tokens, steps["first"])
+
+
+# Two earlier occurrences of the final bigram (1, 8), continued by 7, 9 and by 3, 5: a tree whose root has two
+# children, each half the votes, so the tree rule's sibling residuals run.
+EXACTNESS_PROMPT = [1, 8, 7, 9, 1, 8, 3, 5, 1, 8]
+
+
+def test_suffix_trees_sample_as_the_target_does():
+    target = tiny_runner(seed=0, vocab=VOCAB)
+    drafter = SuffixDrafter(max_tokens=1000, factor=2.0, min_probability=0.0)
+    tokens, seqs = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS)
+    drafted = sum(seq.stats.draft_tokens for seq in seqs)
+    accepted = sum(seq.stats.accepted_tokens for seq in seqs)
+    assert drafted >= ROWS and 0.05 * drafted < accepted < 0.95 * drafted, (drafted, accepted)  # kept and rejected
+    result = pvalues(tokens, exact(target, EXACTNESS_PROMPT, PARAMS["t1"]))
+    assert min(result.values()) > ALPHA, result
+
+
+def test_negative_control_suffix_trees_under_a_wrong_sibling_rule_fail(monkeypatch):
+    monkeypatch.setattr(engine_module, "accept_trees_sampled", no_sibling_residual)
+    target = tiny_runner(seed=0, vocab=VOCAB)
+    drafter = SuffixDrafter(max_tokens=1000, factor=2.0, min_probability=0.0)
+    tokens, _ = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS)
+    result = pvalues(tokens, exact(target, EXACTNESS_PROMPT, PARAMS["t1"]))
+    assert min(result.values()) < ALPHA * 1e-3, result

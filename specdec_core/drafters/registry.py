@@ -28,6 +28,7 @@ class Entry:
 REGISTRY: dict[str, Entry] = {
     "draft-model": Entry("draft_model", runs_model=True),
     "ngram": Entry("ngram"),
+    "suffix": Entry("suffix"),
     "layer-skip": Entry("layer_skip", runs_model=True),
     "quantized": Entry("quantized", runs_model=True),
     "hybrid": Entry("hybrid"),

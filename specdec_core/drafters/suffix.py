@@ -26,11 +26,16 @@ import heapq
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sequence import Sequence
-from .base import Drafter, Proposal
+from .base import Drafter, DrafterBuilder, Proposal
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..models.runner import ModelRunner
 
 KEY = 2  # tokens of the index's key: a match is at least this long
 MAX_CANDIDATES = 64  # most recent occurrences of the key examined per lookup and memory
@@ -155,31 +160,35 @@ def continuation_tree(continuations: list[list[int]], max_nodes: int, min_probab
 
 
 class SuffixDrafter(Drafter):
-    name = "suffix"
+    """Trees of the continuations that followed each row's longest suffix match, in its own text and in
+    earlier requests' outputs."""
 
-    def __init__(self, max_tokens: int, shared: bool = False, factor: float = 2.0, min_probability: float = 0.1,
-                 max_match: int = 32, max_nodes: int = 32):
+    def __init__(self, max_tokens: int, shared: bool = False, factor: float = 1.0, min_probability: float = 0.1,
+                 max_match: int = 32, max_nodes: int = 16):
         if max_match < KEY:
             raise ValueError(f"suffix.max_match must be at least {KEY}, got {max_match}")
         self.global_memory = TokenMemory(max_tokens)
         self.shared = shared
         self.factor, self.min_probability = factor, min_probability
         self.max_match, self.max_nodes = max_match, max_nodes
-        self.rows: list[tuple[Sequence, TokenMemory, int]] = []  # per row: its sequence, its own memory, the doc
+        self.rows: list[Sequence] = []  # the batch's sequences, in row order
+        # Each sequence's own memory (one document), by id(seq): made at its first proposal, dropped with its row.
+        self.own: dict[int, TokenMemory] = {}
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
-        own = TokenMemory()
-        self.rows.append((seq, own, own.add(seq.client, seq.tokens)))
+        self.rows.append(seq)
 
     def remove(self, keep: list[int]) -> None:
         kept = set(keep)
-        for i, (seq, _, _) in enumerate(self.rows):
-            if i not in kept and seq.output_ids:  # gone: what it produced is memory for later requests
-                self.global_memory.add(seq.client, seq.output_ids)
+        for i, seq in enumerate(self.rows):
+            if i not in kept:
+                self.own.pop(id(seq), None)
+                if seq.output_ids:  # gone: what it produced is memory for later requests
+                    self.global_memory.add(seq.client, seq.output_ids)
         self.rows = [self.rows[i] for i in keep]
 
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
-        trees = [self._tree(i, seq, gamma) for i, seq in enumerate(seqs)]
+        trees = [self._tree(seq, gamma) for seq in seqs]
         width = max((len(tokens) for tokens, _ in trees), default=0)
         proposal_tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, (tokens, _) in enumerate(trees):
@@ -187,10 +196,13 @@ class SuffixDrafter(Drafter):
         return Proposal(tokens=proposal_tokens, lengths=[len(tokens) for tokens, _ in trees], probs=None,
                         parents=[parents for _, parents in trees])
 
-    def _tree(self, row: int, seq: Sequence, gamma: int) -> tuple[list[int], list[int]]:
-        _, own, doc = self.rows[row]
-        seen = len(own.documents[doc].tokens)
-        own.extend(doc, seq.tokens[seen:])  # catch up with what the last steps emitted
+    def _tree(self, seq: Sequence, gamma: int) -> tuple[list[int], list[int]]:
+        own = self.own.get(id(seq))
+        if own is None:
+            own = self.own[id(seq)] = TokenMemory()
+            own.add(seq.client)
+        text = own.documents[0].tokens
+        own.extend(0, seq.tokens[len(text) :])  # catch up with what the last steps emitted
         context = seq.tokens
         found = [own.matches(context, seq.client, True, self.max_match),
                  self.global_memory.matches(context, seq.client, self.shared, self.max_match)]
@@ -201,3 +213,9 @@ class SuffixDrafter(Drafter):
                          for match, occurrences in found if match == length for document, start in occurrences]
         max_nodes = min(self.max_nodes, math.ceil(self.factor * length))
         return continuation_tree([c for c in continuations if c], max_nodes, self.min_probability)
+
+
+def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> SuffixDrafter:
+    """The suffix drafter of speculation.suffix."""
+    s = config.speculation.suffix
+    return SuffixDrafter(s.max_tokens, s.shared, s.factor, s.min_probability, s.max_match, s.max_nodes)
