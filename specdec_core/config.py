@@ -77,7 +77,7 @@ class MedusaConfig(Section):
 
 
 class EagleConfig(Section):
-    weights: str | None = Field(None, description="Trained EAGLE network: a name under <cache>/eagle (`specdec train eagle --out NAME`); null: <model.target>-eagle")
+    weights: str | None = Field(None, description="Trained EAGLE network: a name under <cache>/eagle (`specdec train eagle --out NAME`) or a directory; null: <model.target>-eagle")
     total_tokens: int = Field(8, ge=1, description="Nodes of the draft tree verified each step: the best by cumulative draft probability (EAGLE-2 reranking); on this CPU a verify pass grows with them (13 tokens: ~1.9x a plain step on smollm2-135m)")
     depth: int = Field(4, ge=1, description="Most levels of the draft tree (also capped by gamma)")
     top_k: int = Field(2, ge=1, description="Children per expanded node, and nodes expanded per level")
