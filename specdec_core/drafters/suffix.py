@@ -76,10 +76,8 @@ class TokenMemory:
 
     def extend(self, doc: int, tokens: list[int]) -> None:
         text = self.documents[doc].tokens
-        for token in tokens:
-            text.append(token)
-            if len(text) >= KEY:
-                self.index[tuple(text[-KEY:])].append((doc, len(text)))
+        text.extend(tokens)
+        self._index(doc, text, max(len(text) - len(tokens), KEY - 1) + 1)
         self.size += len(tokens)
         self.documents.move_to_end(doc)
         while self.max_tokens is not None and self.size > self.max_tokens:
@@ -92,9 +90,13 @@ class TokenMemory:
         if self.stale > self.size:
             self.index.clear()
             for live in self.documents.values():
-                for end in range(KEY, len(live.tokens) + 1):
-                    self.index[tuple(live.tokens[end - KEY : end])].append((live.id, end))
+                self._index(live.id, live.tokens, KEY)
             self.stale = 0
+
+    def _index(self, doc: int, text: list[int], first_end: int) -> None:
+        """Index the bigrams of `text` (document `doc`) that end at first_end and after."""
+        for end in range(first_end, len(text) + 1):
+            self.index[tuple(text[end - KEY : end])].append((doc, end))
 
     def matches(self, context: list[int], owner: str | None, shared: bool, max_match: int
                 ) -> tuple[int, list[tuple[Document, int]]]:
@@ -128,6 +130,8 @@ def continuation_tree(continuations: list[list[int]], max_nodes: int, min_probab
     """(tokens, parents) of the most supported continuations, best first: each node's support is the share of
     continuations through it, and nodes below min_probability are left out. Parents come before children,
     since a child never has more support than its parent."""
+    if not continuations:
+        return [], []
     children: list[dict[int, int]] = [{}]  # node 0 is the root
     counts = [len(continuations)]
     node_tokens = [-1]
@@ -142,8 +146,6 @@ def continuation_tree(continuations: list[list[int]], max_nodes: int, min_probab
                 node_tokens.append(token)
             counts[child] += 1
             node = child
-    if not continuations:
-        return [], []
     tokens, parents, position = [], [], {0: -1}
     heap = [(-counts[child], child, 0) for child in children[0].values()]
     heapq.heapify(heap)
