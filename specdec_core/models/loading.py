@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from . import attention
 from .catalogue import REGISTRY
 from .paths import model_dir
 from .quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
@@ -37,6 +38,9 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
         cache = cache_file(directory, model.weights, DEFAULT_GROUP_SIZE, runner.device) if directory else None
         # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
         quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
+    # Each output row of the quantized CPU kernels is its own dot products; float GEMMs block by the row count.
+    quantized = runner.device.type == "cpu" and not any(isinstance(m, nn.Linear) for m in runner.model.modules())
+    runner.row_invariant = quantized and attention.extension() is not None
     return runner
 
 

@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from .attention import IMPLEMENTATION, row_slots
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -39,7 +41,7 @@ def load_model(path: str, dtype: str = "bf16", device: str = "auto") -> tuple[Pr
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=IMPLEMENTATION)
     model.to(resolve_device(device)).eval()
     return model, tokenizer
 
@@ -75,7 +77,7 @@ class BatchCache:
     lengths: torch.Tensor  # [B] long: valid tokens per row = next rotary position
 
     @classmethod
-    def empty(cls, device: torch.device) -> "BatchCache":
+    def empty(cls, device: torch.device) -> BatchCache:
         return cls(
             kv=DynamicCache(),
             valid=torch.zeros(0, 0, dtype=torch.bool, device=device),
@@ -94,7 +96,7 @@ class BatchCache:
     def device(self) -> torch.device:
         return self.valid.device
 
-    def append(self, rows: "BatchCache") -> None:
+    def append(self, rows: BatchCache) -> None:
         """Join the rows of `rows` (e.g. a fresh prefill) to this cache, padding slots."""
         if self.batch_size == 0:
             self.kv, self.valid, self.lengths = rows.kv, rows.valid, rows.lengths
@@ -189,6 +191,9 @@ class ModelRunner:
         self.config = model.config
         self.vocab_size = model.get_output_embeddings().out_features
         self.num_layers = model.config.num_hidden_layers
+        # Whether passes can be row-invariant: every linear layer a quantized CPU kernel and the attention
+        # kernel built (loading.py sets it).
+        self.row_invariant = False
 
     # -- forward -----------------------------------------------------------
 
@@ -202,6 +207,7 @@ class ModelRunner:
         hidden_states: bool = False,
         commit: bool = False,
         last_logits_only: bool = False,
+        row_invariant: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run `input_ids` [B, k] against the cache; return logits [B, k, V] (float32).
 
@@ -235,6 +241,7 @@ class ModelRunner:
             use_cache=True,
             output_hidden_states=hidden_states,
             logits_to_keep=1 if last_logits_only else 0,
+            row_slots=row_slots(allowed) if row_invariant else None,
         )
         cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=self.device)], dim=1)
         if commit:

@@ -14,6 +14,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from .attention import IMPLEMENTATION
+
 TINY_PATTERN = re.compile(r"^tiny-random-(llama|qwen2)(?:@(\d+))?$")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -59,7 +61,7 @@ def tiny_model(name: str, vocab_size: int) -> torch.nn.Module:
         tie_word_embeddings=False,
     )
     torch.manual_seed(int(seed or 0))
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=IMPLEMENTATION)
     # Random init gives near-uniform outputs; sharpen them so decoding has structure worth predicting.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .kernels import build, cpu_flags
+
 log = logging.getLogger("specdec")
 
 GROUP_SIZE = 32  # inputs per scale and min; fixed by the kernel
@@ -29,9 +31,7 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 AMX_FLAGS = ("amx_tile", "amx_int8")
 # SPECDEC_AMX=0 keeps every pass on VNNI (the fallback, for comparisons and for tests).
 AMX_ENV = "SPECDEC_AMX"
-# -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one thread. The
-# extension then shares the libgomp torch has loaded (same soname).
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+COMPILE_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
 # From this many rows (a long prompt's prefill) dequantizing the weights to bf16 and multiplying on
 # the CPU's matrix units beats the VNNI dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
 # against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). Not yet measured against the AMX path.
@@ -42,13 +42,7 @@ AMX_MIN_ROWS = 2
 SOURCE = Path(__file__).with_name("vnni.cpp")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+_cpu_flags = cpu_flags  # a module attribute, so that tests can stand in another CPU
 
 
 @functools.cache
@@ -58,26 +52,10 @@ def extension():
     if missing:
         log.info("quantize: this CPU lacks %s; using torch's int4 / int8 kernels", ", ".join(missing))
         return None
-    from torch.utils.cpp_extension import load
-
-    from .paths import cache_dir
-
-    # Under specdec's cache, so that an image built with its weights has the kernel too. torch
-    # rebuilds it when the source changes, and skips the build (quietly) when it has not.
-    build_dir = cache_dir() / "kernels" / f"vnni-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    built = build_dir / "specdec_vnni.so"
-    if built.exists() and built.stat().st_mtime >= SOURCE.stat().st_mtime:
-        log.info("quantize: loading the AVX-512 VNNI kernel built in %s", build_dir)
-    else:
-        log.info("quantize: building the AVX-512 VNNI kernel in %s (once per machine, about a minute)", build_dir)
-    try:
-        return load(name="specdec_vnni", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir))
-    except (RuntimeError, OSError, ImportError) as error:
-        log.warning("quantize: could not build the VNNI kernel (%s); using torch's int4 / int8 kernels, which are slower. "
-                    "It needs g++ and ninja (`pip install ninja`)", error)
-        return None
+    kernel = build("specdec_vnni", SOURCE, COMPILE_FLAGS, "the AVX-512 VNNI kernel")
+    if kernel is None:
+        log.warning("quantize: using torch's int4 / int8 kernels, which are slower")
+    return kernel
 
 
 @functools.cache

@@ -79,7 +79,7 @@ class ReducedVocab:
     full_size: int  # V, the target's vocabulary
 
     @classmethod
-    def most_frequent(cls, counts: torch.Tensor, size: int, always: set[int]) -> "ReducedVocab":
+    def most_frequent(cls, counts: torch.Tensor, size: int, always: set[int]) -> ReducedVocab:
         """The `size` most frequent ids, `always` among them (special tokens: without EOS a draft could never end)."""
         priority = counts.clone()
         priority[sorted(always)] = counts.max() + 1

@@ -1,0 +1,98 @@
+// Row-invariant attention (attention.py): each query row against its own list of key slots.
+//
+// One task per (query row, key head). The scores are dot products with 16 float lanes summed in a
+// fixed tree, the softmax and the weighted sum of values run over the row's slots in their order, and
+// a task is computed whole by one thread. So a row's output depends only on its query, its keys and
+// values in token order, and nothing else: not the pass length, the other rows, the slot layout or the
+// thread count. Inputs are float32 or bfloat16; the arithmetic is float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t dim) {
+  float lanes[LANES] = {};
+  int64_t j = 0;
+  for (; j + LANES <= dim; j += LANES)
+    for (int l = 0; l < LANES; ++l) lanes[l] += q[j + l] * static_cast<float>(k[j + l]);
+  float tail = 0.f;
+  for (; j < dim; ++j) tail += q[j] * static_cast<float>(k[j]);
+  for (int width = LANES / 2; width; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0] + tail;
+}
+
+template <typename T>
+void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                 const int64_t* slots, const int64_t* offsets, double scaling, torch::Tensor& out) {
+  const int64_t batch = query.size(0), heads = query.size(1), length = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), groups = heads / kv_heads;
+  const T* q_data = query.data_ptr<T>();
+  const T* k_data = key.data_ptr<T>();
+  const T* v_data = value.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
+  at::parallel_for(0, batch * length * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(groups * dim), acc(groups * dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / kv_heads, h = task % kv_heads, b = row / length, i = row % length;
+      const int64_t first = offsets[row], n = offsets[row + 1] - first;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t t = 0; t < dim; ++t)
+          q[g * dim + t] = static_cast<float>(q_data[b * qs[0] + (h * groups + g) * qs[1] + i * qs[2] + t * qs[3]]) * scaling;
+      scores.assign(groups * n, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = k_data + b * ks[0] + h * ks[1] + slots[first + j] * ks[2];
+        for (int64_t g = 0; g < groups; ++g) scores[g * n + j] = dot(&q[g * dim], k, dim);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < groups; ++g) {
+        float* s = &scores[g * n];
+        const float top = n ? *std::max_element(s, s + n) : 0.f;
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - top));
+        float* a = &acc[g * dim];
+        for (int64_t j = 0; j < n; ++j) {
+          const T* v = v_data + b * vs[0] + h * vs[1] + slots[first + j] * vs[2];
+          const float w = s[j] / total;
+          for (int64_t t = 0; t < dim; ++t) a[t] += w * static_cast<float>(v[t]);
+        }
+        T* o = out_data + ((b * length + i) * heads + h * groups + g) * dim;
+        for (int64_t t = 0; t < dim; ++t) o[t] = static_cast<T>(a[t]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// query [B, H, k, d]; key, value [B, Hkv, S, d] (last dim contiguous); row (b, i)'s slots are
+// slots[offsets[b * k + i] : offsets[b * k + i + 1]], in token order. Returns [B, k, H, d].
+torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor slots,
+                     torch::Tensor offsets, double scaling) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "query, key and value must be 4-D");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), "one dtype");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads must be a multiple of key heads");
+  TORCH_CHECK(offsets.numel() == query.size(0) * query.size(2) + 1, "one offset per query row, plus one");
+  key = key.stride(3) == 1 ? key : key.contiguous();
+  value = value.stride(3) == 1 ? value : value.contiguous();
+  slots = slots.to(torch::kLong).contiguous();
+  offsets = offsets.to(torch::kLong).contiguous();
+  auto out = torch::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
+  if (query.scalar_type() == torch::kBFloat16)
+    attend_rows<at::BFloat16>(query, key, value, slots.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), scaling, out);
+  else if (query.scalar_type() == torch::kFloat)
+    attend_rows<float>(query, key, value, slots.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), scaling, out);
+  else
+    TORCH_CHECK(false, "row-invariant attention takes float32 or bfloat16, not ", query.scalar_type());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attend", &attend, "row-invariant attention over per-row slot lists"); }

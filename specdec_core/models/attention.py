@@ -1,0 +1,82 @@
+"""Row-invariant attention for decode and verify passes.
+
+Speculation is invisible only if each row of a verify pass computes, bit for bit, what a one-token step
+computes at that position; otherwise near-ties flip and greedy text differs from plain decoding's. SDPA's
+row i depends on the pass: its kernels block the reductions by the number of query rows, and they run
+over the whole slot tensor, whose layout (holes where drafts were refused, other rows' lengths) differs
+between a speculative run and a plain one. Our kernel (attention.cpp) takes each query row against its
+own slots in token order, in a fixed order of arithmetic, so a row's output is the same whatever the
+pass length, the tree or the batch around it.
+
+The linear layers must be row-invariant too: torch's int4 and int8 CPU kernels and ours are (each output
+row is its own dot products), float GEMMs are not (`ModelRunner.row_invariant`).
+
+Registered as a transformers attention implementation, `IMPLEMENTATION`: a pass given `row_slots` takes
+the kernel, any other (prefill, drafters' passes, transformers' generate) takes SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .kernels import build, cpu_flags
+
+IMPLEMENTATION = "specdec"
+SOURCE = Path(__file__).with_name("attention.cpp")
+
+
+@dataclass
+class RowSlots:
+    """The key slots each query row of a pass attends, in token order: row (b, i)'s are
+    slots[offsets[b * k + i] : offsets[b * k + i + 1]]."""
+
+    slots: torch.Tensor  # [attended pairs] long
+    offsets: torch.Tensor  # [B * k + 1] long
+
+
+def row_slots(allowed: torch.Tensor) -> RowSlots:
+    """RowSlots from allowed [B, k, S] (query attends slot), computed once per pass for every layer. A
+    row's tokens sit in its slots in order (the cache only appends and compacts), so slot order is token
+    order."""
+    pairs = allowed.flatten(0, 1).nonzero()  # [(row, slot)], sorted by row, then slot
+    counts = allowed.sum(-1).flatten()
+    return RowSlots(pairs[:, 1].contiguous(), torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled kernel, or None where it cannot be built (then passes are not row-invariant)."""
+    flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
+    return build("specdec_attention", SOURCE, flags, "the row-invariant attention kernel")
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    row_slots: RowSlots | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [B, H, k, d], key and value [B, Hkv, S, d] -> [B, k, H, d]: row by row over `row_slots`
+    when given, else SDPA."""
+    if row_slots is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return extension().attend(query, key, value, row_slots.slots, row_slots.offsets, scaling), None
+
+
+AttentionInterface.register(IMPLEMENTATION, attention)
+# Masks built as for SDPA (transformers' generate, 2-D masks), so that every other pass is SDPA's to the bit.
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,50 @@
+"""Building our C++ kernels (vnni.cpp, attention.cpp) with torch's extension builder, once per machine.
+
+The builds live under specdec's cache, so that an image built with its weights has the kernels too;
+torch rebuilds one when its source or flags change, and skips the build (quietly) when they have not.
+They need g++ and ninja; a kernel that cannot be built is None, and its caller says what it does
+instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("specdec")
+
+
+def cpu_flags() -> set[str]:
+    """The flags /proc/cpuinfo gives this CPU (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | None:
+    """The extension `name` compiled from `source` with `flags`, or None (logged) when it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    from .paths import cache_dir
+
+    # -fopenmp: at::parallel_for is inline OpenMP; without it a kernel runs on one thread. The
+    # extension then shares the libgomp torch has loaded (same soname).
+    build_dir = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    built = build_dir / f"{name}.so"
+    if built.exists() and built.stat().st_mtime >= source.stat().st_mtime:
+        log.info("kernels: loading %s built in %s", what, build_dir)
+    else:
+        log.info("kernels: building %s in %s (once per machine, about a minute)", what, build_dir)
+    try:
+        return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir))
+    except (RuntimeError, OSError, ImportError) as error:
+        log.warning("kernels: could not build %s (%s); it needs g++ and ninja (`pip install ninja`)", what, error)
+        return None

@@ -1,0 +1,120 @@
+"""Row-invariant attention (models/attention.py, attention.cpp): close to a float64 reference, and each
+query row computes bit for bit what a one-row call computes for it, whatever the pass length (1..64),
+the tree, the holes in the cache or the other rows; then whole passes of a quantized model equal
+one-token steps, which SDPA's do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_core.config import ModelConfig
+from specdec_core.models import attention
+from specdec_core.models.attention import RowSlots, row_slots
+from specdec_core.models.loading import load_runner
+from specdec_core.models.runner import BatchCache
+from specdec_core.tree import batch_layout
+
+from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
+
+HEADS, KV_HEADS, DIM = 6, 2, 40  # GQA groups of 3; 40 = two 16-lane blocks and a tail of 8
+
+pytestmark = pytest.mark.skipif(attention.extension() is None, reason="the attention kernel cannot be built here")
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    slots = row_slots(allowed)
+    return attention.extension().attend(query, key, value, slots.slots, slots.offsets, DIM**-0.5)
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax attention in float64 with a boolean mask: [B, k, H, d]."""
+    groups = HEADS // KV_HEADS
+    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = (query.double() @ k.transpose(-1, -2)) * DIM**-0.5
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def pass_of(rows: int, length: int, cached: int, dtype: torch.dtype, seed: int = 0):
+    """query [B, H, k, d] and keys and values [B, Hkv, cached + k, d], with a causal mask over `cached`
+    slots of which about a fifth are holes (slots of refused drafts, or of other rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, length, HEADS, DIM, generator=generator).to(dtype).transpose(1, 2)  # as transformers has it
+    key, value = (torch.randn(rows, KV_HEADS, cached + length, DIM, generator=generator).to(dtype) for _ in range(2))
+    valid = torch.rand(rows, cached, generator=generator) > 0.2
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = torch.cat([valid[:, None].expand(rows, length, cached), causal.expand(rows, length, length)], dim=2)
+    return query, key, value, allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 2, 7, 64])
+def test_the_kernel_is_softmax_attention(dtype, length):
+    query, key, value, allowed = pass_of(3, length, 50, dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attend(query, key, value, allowed).double(), reference(query, key, value, allowed),
+                               rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_of_a_pass_equals_that_row_alone(dtype):
+    """For every pass length 1..64, each query row equals a one-row call over exactly its own keys, laid out
+    as a one-token step finds them: dense, no holes, nothing after it."""
+    for length in range(1, 65):
+        query, key, value, allowed = pass_of(2, length, 30, dtype, seed=length)
+        out = attend(query, key, value, allowed)
+        for b in range(2):
+            for i in range(length):
+                own = allowed[b, i].nonzero().squeeze(1)
+                alone = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, own], value[b : b + 1, :, own],
+                               torch.ones(1, 1, len(own), dtype=torch.bool))
+                assert torch.equal(out[b, i], alone[0, 0]), (length, b, i)
+
+
+def test_a_tree_row_equals_its_path_alone():
+    parents = [-1, -1, 0, 0, 2, 1]
+    query, key, value, _ = pass_of(1, len(parents) + 1, 20, torch.float32)
+    mask, _ = batch_layout([parents], len(parents))
+    allowed = torch.cat([torch.ones(1, len(parents) + 1, 20, dtype=torch.bool), mask], dim=2)
+    out = attend(query, key, value, allowed)
+    for node in range(len(parents) + 1):
+        own = allowed[0, node].nonzero().squeeze(1)
+        alone = attend(query[:, :, node : node + 1], key[:, :, own], value[:, :, own], torch.ones(1, 1, len(own), dtype=torch.bool))
+        assert torch.equal(out[0, node], alone[0, 0])
+
+
+def test_row_slots_are_each_rows_attended_slots_in_order():
+    allowed = torch.tensor([[[1, 0, 1, 0], [1, 0, 1, 1]], [[0, 1, 0, 0], [0, 1, 1, 0]]], dtype=torch.bool)
+    slots = row_slots(allowed)
+    assert isinstance(slots, RowSlots)
+    assert slots.slots.tolist() == [0, 2, 0, 2, 3, 1, 1, 2] and slots.offsets.tolist() == [0, 2, 5, 6, 8]
+
+
+@pytest.fixture(scope="module")
+def int4_target():
+    return load_runner("tiny-random-qwen2", ModelConfig(target="tiny-random-qwen2", dtype="fp32", weights="int4", device="cpu"))
+
+
+def test_only_quantized_cpu_targets_are_row_invariant(int4_target):
+    float_target = load_runner("tiny-random-qwen2", ModelConfig(target="tiny-random-qwen2", dtype="fp32", device="cpu"))
+    assert int4_target.row_invariant and not float_target.row_invariant
+
+
+@pytest.mark.parametrize("row_invariant", [True, False])
+def test_a_verify_pass_equals_one_token_steps(int4_target, row_invariant):
+    """A 12-token pass after a refused one (holes in the cache), beside another row, against 12 one-token
+    steps of that row alone: bit-identical logits on the row-invariant path. SDPA's differ (the negative
+    control: the comparison can fail)."""
+    runner, generator = int4_target, torch.Generator().manual_seed(1)
+    prompt, other, tokens = (torch.randint(0, runner.vocab_size, (n,), generator=generator).tolist() for n in (40, 25, 12))
+    steps = runner.prefill(prompt)[0]
+    alone = torch.cat([runner.forward(steps, torch.tensor([[t]]), commit=True, row_invariant=row_invariant)[0][0] for t in tokens])
+    batch = BatchCache.empty(runner.device)
+    batch.append(runner.prefill(other)[0])
+    batch.append(runner.prefill(prompt)[0])
+    runner.forward(batch, torch.randint(0, runner.vocab_size, (2, 5), generator=generator), row_invariant=row_invariant)
+    batch.commit(torch.tensor([[True] * 5, [False] * 5]))
+    ids = torch.stack([torch.randint(0, runner.vocab_size, (12,), generator=generator), torch.tensor(tokens)])
+    in_pass = runner.forward(batch, ids, commit=True, row_invariant=row_invariant)[0][1]
+    assert torch.equal(in_pass, alone) == row_invariant
