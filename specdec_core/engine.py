@@ -25,10 +25,23 @@ import torch
 from .control import Controller
 from .drafters.base import Drafter, Proposal
 from .models.runner import BatchCache, ModelRunner
-from .sampling import greedy_tokens, make_generator, running_counts, to_probs
+from .sampling import (
+    PositionNoise,
+    greedy_tokens,
+    keyed_tokens,
+    make_generator,
+    running_counts,
+    sampling_logits,
+    to_probs,
+)
 from .sequence import Sequence
 from .tree import batch_layout, depths, path_counts, within_depth
-from .verify import accept_chains_greedy, accept_chains_sampled, accept_trees_greedy, accept_trees_sampled
+from .verify import (
+    accept_chains_greedy,
+    accept_chains_sampled,
+    accept_trees_greedy,
+    accept_trees_sampled,
+)
 
 
 @dataclass
@@ -70,14 +83,25 @@ class Verdict:
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
 
-class Engine:
-    """Owns the target's batch cache, the drafter and the controller."""
+SAMPLING_RULES = ("gumbel", "rejection")
 
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int]):
+
+class Engine:
+    """Owns the target's batch cache, the drafter and the controller. Sampled rows are verified by
+    `sampling_rule`: "gumbel", draws keyed by position (sampling.PositionNoise), under which a draft is kept
+    iff it is the target's draw, or "rejection", rejection sampling (verify.py) from each row's generator."""
+
+    def __init__(
+        self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
+        sampling_rule: str = "gumbel",
+    ):
+        if sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"sampling_rule {sampling_rule!r} is not one of {SAMPLING_RULES}")
         self.target = target
         self.drafter = drafter
         self.controller = controller
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampling_rule = sampling_rule
         self.cache = BatchCache.empty(target.device)
         self.seqs: list[Sequence] = []
         if drafter:
@@ -98,6 +122,9 @@ class Engine:
             raise ValueError("a prompt needs at least one token")
         seq.stats.method = self.method
         seq.generator = seq.generator or make_generator(seq.params.seed, self.target.device)
+        if self.sampling_rule == "gumbel" and not seq.params.greedy:
+            # An unseeded row's noise is keyed by its generator's random seed.
+            seq.noise = PositionNoise(seq.generator.initial_seed(), self.target.vocab_size, self.target.device)
         if seq.params.uses_counts:
             seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
             for token in seq.output_ids:
@@ -170,12 +197,13 @@ class Engine:
         logits, hidden = self.target.forward(
             self.cache, ids.to(device), tree_mask=None if tree_mask is None else tree_mask.to(device),
             depths=None if offsets is None else offsets.to(device), hidden_states=self.wants_features,
+            row_invariant=self.target.row_invariant,
         )
         verdict = Verdict(logits, hidden, time.perf_counter() - start, paths=[[] for _ in seqs], tokens=[None] * len(seqs))
         targets, failures = self._row_targets(seqs, proposal, drafts, logits)
         drafts = drafts.to(device)
-        for greedy in (True, False):  # the two rules, each over all its rows
-            rows = [i for i in targets if seqs[i].params.greedy == greedy]
+        for by_tokens in (True, False):  # the two kinds of rule, each over all its rows
+            rows = [i for i in targets if _judged_by_tokens(seqs[i]) == by_tokens]
             if rows:
                 self._accept(verdict, rows, [seqs[i] for i in rows], [targets[i] for i in rows], drafts, proposal)
         verdict.failed = [(seqs[i], failures[i]) for i in sorted(failures)]
@@ -194,7 +222,7 @@ class Engine:
                 targets[i] = self._targets(seq, drafts[i, :n], proposal.parents[i] if proposal.parents else None, logits[i, : n + 1])
             except Exception as exc:
                 failures[i] = exc
-        sampled = [i for i in targets if not seqs[i].params.greedy]
+        sampled = [i for i in targets if not _judged_by_tokens(seqs[i])]
         if sampled:
             probs = torch.nn.utils.rnn.pad_sequence([targets[i] for i in sampled], batch_first=True)
             invalid = ~(probs.isfinite() & (probs >= 0)).flatten(1).all(-1)
@@ -205,13 +233,21 @@ class Engine:
         return targets, failures
 
     def _targets(self, seq: Sequence, draft: torch.Tensor, parents: list[int] | None, logits: torch.Tensor) -> torch.Tensor:
-        """What one row's drafts are judged against, after its own penalties, temperature and top-k/top-p: the
-        target's argmax tokens [n+1] (greedy) or distributions [n+1, V], after the root then after each draft."""
+        """What one row's drafts are judged against, after its own penalties, temperature and top-k/top-p, after the
+        root then after each draft: the target's tokens [n+1], its argmax (greedy) or its keyed draws (the Gumbel
+        rule), or its distributions [n+1, V] (rejection sampling)."""
         vocab = self.target.vocab_size
         counts = running_counts(seq.counts, draft, vocab) if parents is None else path_counts(seq.counts, draft, parents, vocab)
         if seq.params.greedy:
             return greedy_tokens(logits, seq.params, counts)
-        return to_probs(logits, seq.params, counts)
+        if seq.noise is None:
+            return to_probs(logits, seq.params, counts)
+        scores = sampling_logits(logits, seq.params, counts)
+        if scores.isnan().any() or not scores.isfinite().any(-1).all():
+            raise ValueError(f"{seq.request_id}: the target's sampling logits are NaN, or -inf for every token")
+        # Position j of targets judges the token at output position t + depth: the root's next, then each node's.
+        t = len(seq.output_ids)
+        return keyed_tokens(scores, seq.noise.at([t] + [t + d for d in (depths(parents) if parents else range(1, len(draft) + 1))]))
 
     def _accept(
         self, verdict: Verdict, rows: list[int], seqs: list[Sequence], targets: list[torch.Tensor], drafts: torch.Tensor,
@@ -224,7 +260,7 @@ class Engine:
         drafts = drafts[index, : targets.shape[1] - 1]
         lengths = [proposal.lengths[i] for i in rows]
         parents = [proposal.parents[i] for i in rows] if proposal.parents else None
-        if seqs[0].params.greedy:
+        if _judged_by_tokens(seqs[0]):  # greedy, or the Gumbel rule: a draft is kept iff it is the target's token
             accepted = accept_chains_greedy(drafts, lengths, targets) if parents is None else accept_trees_greedy(drafts, parents, targets)
         else:
             q = None if proposal.probs is None else proposal.probs.to(drafts.device)[index, : drafts.shape[1]]
@@ -288,6 +324,8 @@ class Engine:
                 top = logprobs.topk(seq.top_logprobs) if seq.top_logprobs else None
                 seq.top_logprob_ids.append(list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
             seq.output_ids.append(token)
+            if seq.noise is not None:
+                seq.noise.forget_before(len(seq.output_ids))
             if seq.counts is not None:
                 seq.counts[token] += 1
             emitted.append(token)
@@ -298,6 +336,11 @@ class Engine:
             if seq.finished:
                 break
         return emitted
+
+
+def _judged_by_tokens(seq: Sequence) -> bool:
+    """Whether a row's drafts are judged against the target's tokens (greedy, the Gumbel rule), not its p."""
+    return seq.params.greedy or seq.noise is not None
 
 
 def _count_speculation(seq: Sequence, drafted: int, kept: int, emitted: list[int]) -> None:

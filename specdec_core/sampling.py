@@ -4,14 +4,22 @@ The same transforms shape the target's p and the drafter's q, so that the
 acceptance rule compares like with like. Penalties follow OpenAI's definition:
 logit -= frequency_penalty * count + presence_penalty * (count > 0), counted
 over the tokens generated so far (the prompt does not count).
+
+Draws keyed by position (`PositionNoise`) make the token at output position t
+argmax(log p_t + g_t), the Gumbel-max trick: an exact draw from p_t, with g_t
+a function of the seed and t alone, from a counter-based generator (numpy's
+Philox, keyed by the seed, its counter at t). No sequential stream is
+consumed, so how many tokens a step drafts, keeps or verifies cannot change
+any draw: a seed gives plain decoding's text with any drafter, gamma or tree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-
 
 # Temperatures below this are greedy, as in vLLM: logits / 1e-40 overflow to inf, and the softmax
 # of such a row is NaN. At 1e-5 a logit gap of 0.01 is already a factor of e^1000.
@@ -71,8 +79,9 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Te
     return logits
 
 
-def to_probs(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Sampling distribution [k, V] from raw logits [k, V] (temperature > 0)."""
+def sampling_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampling distribution's logits [k, V] from raw logits [k, V] (temperature > 0): -inf outside top-k and
+    top-p; their softmax is `to_probs`."""
     logits = adjust_logits(logits, params, counts) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
@@ -84,7 +93,12 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor 
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
         drop[..., 0] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(dim=-1)
+    return logits
+
+
+def to_probs(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampling distribution [k, V] from raw logits [k, V] (temperature > 0)."""
+    return sampling_logits(logits, params, counts).softmax(dim=-1)
 
 
 def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,3 +109,32 @@ def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: torch.Te
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row of probs [k, V]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class PositionNoise:
+    """Gumbel noise g_t [V] for one sequence, a function of (seed, t) alone; rows are made on first use and
+    kept until the sequence has passed them."""
+
+    def __init__(self, seed: int, vocab: int, device: torch.device):
+        self.seed, self.vocab, self.device = seed, vocab, device
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def at(self, positions: Iterable[int]) -> torch.Tensor:
+        """[len(positions), V] float32: g at each output position."""
+        rows = []
+        for t in positions:
+            if t not in self._rows:
+                # The position in the counter's second word: the first counts the draws within a position.
+                generator = np.random.Generator(np.random.Philox(key=self.seed % 2**64, counter=t << 64))
+                self._rows[t] = torch.from_numpy(-np.log(generator.standard_exponential(self.vocab))).float().to(self.device)
+            rows.append(self._rows[t])
+        return torch.stack(rows)
+
+    def forget_before(self, position: int) -> None:
+        for t in [t for t in self._rows if t < position]:
+            del self._rows[t]
+
+
+def keyed_tokens(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max draws [k]: argmax of sampling logits (or log-probabilities) [k, V] plus noise [k, V]."""
+    return (scores + noise).argmax(dim=-1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import PositionNoise, SamplingParams
 
 
 @dataclass
@@ -48,6 +48,7 @@ class Sequence:
     top_logprob_ids: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    noise: PositionNoise | None = None  # sampled rows under the Gumbel rule: draws keyed by position
     counts: torch.Tensor | None = None  # [V] output token counts, only when penalties need them
     stats: SpecStats = field(default_factory=SpecStats)
 

@@ -1,4 +1,5 @@
-"""The proof: speculative sampling through the real Engine is distributed exactly as sampling the target.
+"""The proof: speculative sampling through the real Engine is distributed exactly as sampling the target,
+under both rules for sampled rows (the Gumbel rule, draws keyed by position; rejection sampling).
 
 A tiny random target over a 12-token vocabulary makes the target's own
 distribution of the first three generated tokens computable exactly (one
@@ -8,7 +9,8 @@ fixed gamma, so every step speculates; the empirical distributions of each
 position and of the first two tokens jointly must pass a chi-square test
 against the exact ones, and tokens of probability zero (outside top-p) must
 never appear. Negative controls run the same test on wrong rules (no residual
-correction; a bonus token drawn at the wrong position) and must fail it.
+correction; a bonus token drawn at the wrong position; noise that is not
+Gumbel; one noise for every position) and must fail it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import torch
 from scipy import stats
 
 from specdec_core import engine as engine_module
+from specdec_core import sampling
 from specdec_core.control import Controller
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter, lookup
 from specdec_core.engine import Engine
-from specdec_core.sampling import SamplingParams, make_generator, sample, to_probs
+from specdec_core.sampling import PositionNoise, SamplingParams, make_generator, sample, to_probs
 from specdec_core.sequence import Sequence
 from specdec_core.verify import accept_chains_sampled
 
@@ -99,8 +102,8 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
     Engine.add prefills one row and concatenates it to the batch, which is
     quadratic over thousands of rows. Add the first for real, copy its cache
     rows (keep_rows with a repeated index), and give each copy what add
-    gives a sequence: the method name, its own seeded generator and, with
-    penalties, its output counts.
+    gives a sequence: the method name, its own seeded generator (and noise,
+    under the Gumbel rule) and, with penalties, its output counts.
     """
     engine.add(seqs[0])
     rows = [0] * len(seqs)
@@ -110,15 +113,20 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
     for seq in seqs[1:]:
         seq.stats.method = engine.method
         seq.generator = make_generator(seq.params.seed, engine.target.device)
+        if seqs[0].noise is not None:
+            seq.noise = PositionNoise(seq.params.seed, engine.target.vocab_size, engine.target.device)
         if seq.params.uses_counts:
             seq.counts = torch.zeros_like(seqs[0].counts)
     engine.seqs = list(seqs)
 
 
-def generate(target, drafter, prompt: list[int], params: SamplingParams, rows: int) -> tuple[np.ndarray, list[Sequence]]:
-    """Decode TOKENS tokens for `rows` seeded copies of `prompt` in one batch; returns tokens [rows, TOKENS]."""
+def generate(
+    target, drafter, prompt: list[int], params: SamplingParams, rows: int, rule: str = "gumbel"
+) -> tuple[np.ndarray, list[Sequence]]:
+    """Decode TOKENS tokens for `rows` seeded copies of `prompt` in one batch under the sampling rule `rule`;
+    returns tokens [rows, TOKENS]."""
     controller = Controller(gamma_max=TOKENS, fixed_gamma=TOKENS, max_speculative_batch=rows)
-    engine = Engine(target, drafter, controller, eos_token_ids=set())
+    engine = Engine(target, drafter, controller, eos_token_ids=set(), sampling_rule=rule)
     seqs = [Sequence(f"r{i}", list(prompt), replace(params, seed=i), TOKENS) for i in range(rows)]
     add_rows(engine, seqs)
     while engine.seqs:
@@ -153,10 +161,11 @@ def pvalues(tokens: np.ndarray, want: Exact) -> dict[str, float]:
     }
 
 
+@pytest.mark.parametrize("rule", engine_module.SAMPLING_RULES)
 @pytest.mark.parametrize("drafter, setting", CASES)
-def test_speculative_sampling_is_distributed_as_the_target(target, draft, drafter, setting):
+def test_speculative_sampling_is_distributed_as_the_target(target, draft, drafter, setting, rule):
     prompt, params = PROMPTS[drafter], PARAMS[setting]
-    tokens, seqs = generate(target, make_drafter(drafter, draft), prompt, params, ROWS)
+    tokens, seqs = generate(target, make_drafter(drafter, draft), prompt, params, ROWS, rule)
     drafted = sum(seq.stats.draft_tokens for seq in seqs)
     accepted = sum(seq.stats.accepted_tokens for seq in seqs)
     # Both branches of the rule ran many times: drafts kept, and drafts rejected and replaced.
@@ -199,9 +208,27 @@ stale_bonus = wrong_rule(lambda n, g: n - 1 if n == g > 0 else None)
 def test_negative_control_wrong_rules_fail(target, draft, drafter, rule, rows, monkeypatch):
     monkeypatch.setattr(engine_module, "accept_chains_sampled", rule)
     prompt, params = PROMPTS[drafter], PARAMS["t1"]
-    tokens, _ = generate(target, make_drafter(drafter, draft), prompt, params, rows)
+    tokens, _ = generate(target, make_drafter(drafter, draft), prompt, params, rows, "rejection")
     result = pvalues(tokens, exact(target, prompt, params))
     assert min(result.values()) < ALPHA * 1e-3, result  # fails the test above, by a wide margin
+
+
+_gumbel_at = PositionNoise.at
+WRONG_NOISE = {
+    # Gumbel noise at half scale: argmax(l + g / 2) draws from p^2, renormalized.
+    "half-scale": lambda self, positions: _gumbel_at(self, positions) / 2,
+    # Every position drawn with position 0's noise: each marginal stays exact, the joint does not.
+    "one-position": lambda self, positions: _gumbel_at(self, [0 for _ in positions]),
+}
+
+
+@pytest.mark.parametrize("noise", WRONG_NOISE)
+def test_negative_control_wrong_noise_fails(target, draft, noise, monkeypatch):
+    monkeypatch.setattr(sampling.PositionNoise, "at", WRONG_NOISE[noise])
+    prompt, params = PROMPTS["draft-model"], PARAMS["t1"]
+    tokens, _ = generate(target, make_drafter("draft-model", draft), prompt, params, ROWS // 2)
+    result = pvalues(tokens, exact(target, prompt, params))
+    assert min(result.values()) < ALPHA * 1e-3, result
 
 
 def test_ngram_prompt_proposes():

@@ -16,7 +16,7 @@ from specdec_core.drafters.suffix import (
     TokenMemory,
     continuation_tree,
 )
-from specdec_core.engine import Engine
+from specdec_core.engine import SAMPLING_RULES, Engine
 from specdec_core.models.loading import eos_ids
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
@@ -169,10 +169,11 @@ def test_a_request_drafts_from_an_earlier_requests_output(tiny_target, tiny_prom
 EXACTNESS_PROMPT = [1, 8, 7, 9, 1, 8, 3, 5, 1, 8]
 
 
-def test_suffix_trees_sample_as_the_target_does():
+@pytest.mark.parametrize("rule", SAMPLING_RULES)
+def test_suffix_trees_sample_as_the_target_does(rule):
     target = tiny_runner(seed=0, vocab=VOCAB)
     drafter = SuffixDrafter(max_tokens=1000, factor=2.0, min_probability=0.0)
-    tokens, seqs = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS)
+    tokens, seqs = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS, rule)
     drafted = sum(seq.stats.draft_tokens for seq in seqs)
     accepted = sum(seq.stats.accepted_tokens for seq in seqs)
     assert drafted >= ROWS and 0.05 * drafted < accepted < 0.95 * drafted, (drafted, accepted)  # kept and rejected
@@ -184,6 +185,6 @@ def test_negative_control_suffix_trees_under_a_wrong_sibling_rule_fail(monkeypat
     monkeypatch.setattr(engine_module, "accept_trees_sampled", no_sibling_residual)
     target = tiny_runner(seed=0, vocab=VOCAB)
     drafter = SuffixDrafter(max_tokens=1000, factor=2.0, min_probability=0.0)
-    tokens, _ = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS)
+    tokens, _ = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS, "rejection")
     result = pvalues(tokens, exact(target, EXACTNESS_PROMPT, PARAMS["t1"]))
     assert min(result.values()) < ALPHA * 1e-3, result

@@ -121,15 +121,16 @@ def fixed_q(seed: int = 3) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)).softmax(-1)
 
 
+@pytest.mark.parametrize("rule", engine_module.SAMPLING_RULES)
 @pytest.mark.parametrize("setting", list(PARAMS))
 @pytest.mark.parametrize("siblings", ["deterministic", "sampled"])
-def test_tree_sampling_is_distributed_as_the_target(target, siblings, setting):
+def test_tree_sampling_is_distributed_as_the_target(target, siblings, setting, rule):
     params = PARAMS[setting]
     drafter = (
         FixedTreeDrafter(PARENTS, likely_tree(target, PROMPT)) if siblings == "deterministic"
         else FixedTreeDrafter(PARENTS, q=fixed_q())
     )
-    tokens, seqs = generate(target, drafter, PROMPT, params, ROWS)
+    tokens, seqs = generate(target, drafter, PROMPT, params, ROWS, rule)
     kept = [len(path) for path in drafter.seen_paths]
     # Paths of every length the budget allows were kept (3 tokens: depth 2, then 1): the whole walk ran.
     assert {0, 1, 2} <= set(kept), np.bincount(kept)
@@ -165,7 +166,7 @@ def no_sibling_residual(tokens, parents, p, q, generators) -> Accepted:
 def test_negative_control_a_wrong_sibling_rule_fails(target, monkeypatch):
     monkeypatch.setattr(engine_module, "accept_trees_sampled", no_sibling_residual)
     params = PARAMS["t1"]
-    tokens, _ = generate(target, FixedTreeDrafter(PARENTS, likely_tree(target, PROMPT)), PROMPT, params, ROWS // 2)
+    tokens, _ = generate(target, FixedTreeDrafter(PARENTS, likely_tree(target, PROMPT)), PROMPT, params, ROWS // 2, "rejection")
     result = pvalues(tokens, exact(target, PROMPT, params))
     assert min(result.values()) < ALPHA * 1e-3, result
 

@@ -2,7 +2,7 @@
 
 `ModelDrafter` draws up to gamma tokens per row from q, the draft's
 distribution after the request's own sampling transforms, one forward per
-token. Two settings apply to every model drafter:
+token (under the Gumbel rule, with the target's own noise for that position). Two settings apply to every model drafter:
 
 - Early exit: a row stops drafting for this step when the draft's top
   probability for its next token falls under a threshold (for greedy rows,
@@ -27,7 +27,7 @@ import torch
 from ..models.loading import draft_runner, target_vocab
 from ..models.runner import BatchCache, ModelRunner
 from ..models.vocab import ReducedVocab
-from ..sampling import adjust_logits, make_generator, running_counts, sample, to_probs
+from ..sampling import adjust_logits, keyed_tokens, make_generator, running_counts, sample, to_probs
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 
@@ -86,7 +86,7 @@ class ModelDrafter(Drafter):
                 if confidence < self.early_exit:
                     continue
                 probs[i, j] = q
-                drafted[i, j] = q.argmax() if seq.params.greedy else sample(q[None], self._generator(seq, q.device))
+                drafted[i, j] = self._draw(q, seq, j)
                 lengths[i] = j + 1
             if max(lengths) <= j or j == gamma - 1:
                 break
@@ -96,11 +96,17 @@ class ModelDrafter(Drafter):
         return Proposal(tokens=drafted[:, :width].cpu(), lengths=lengths, probs=probs[:, :width])
 
     @staticmethod
-    def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
-        # Draft draws use the request's own generator, so a seed fixes the whole completion.
+    def _draw(q: torch.Tensor, seq: Sequence, j: int) -> torch.Tensor:
+        """A row's j-th draft token from its q [V]: the argmax (greedy); under the Gumbel rule, the draw with the
+        noise the target will draw that position with (coupled drafts: kept wherever q's draw is p's); else a
+        draw from the request's own generator, so that a seed fixes the whole completion."""
+        if seq.params.greedy:
+            return q.argmax()
+        if seq.noise is not None:
+            return keyed_tokens(q.log()[None], seq.noise.at([len(seq.output_ids) + j]))[0]
         if seq.generator is None:
-            seq.generator = make_generator(seq.params.seed, device)
-        return seq.generator
+            seq.generator = make_generator(seq.params.seed, q.device)
+        return sample(q[None], seq.generator)[0]
 
 
 class DraftModelDrafter(ModelDrafter):
