@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, help="prompts at batch 1, stratified over categories (default: one per category)")
     parser.add_argument("--max-prompt-tokens", type=int, help="only prompts up to this many tokens (chat template included); default: all")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt at batch 1")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks outputs equal plain's)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; at any temperature outputs are checked against plain's (sampled: with the same seed)")
     parser.add_argument("--seed", type=int, default=0, help="base of the per-prompt sampling seeds")
     parser.add_argument(
         "--batch-sizes", type=_sizes, default=[1],

@@ -31,11 +31,12 @@ def summary_lines(runs: dict[Path, dict]) -> list[str]:
         "",
         "From each run's batch-1 records (all categories). c: drafting seconds per draft position over one plain "
         "step, measured in that run; speedup: median over prompts of tokens/s (prefill included) over the "
-        "adjacent plain runs; greedy match: share of prompts whose output equals plain's (greedy runs only).",
+        "adjacent plain runs; greedy (seeded) match: share of prompts whose output equals plain's, greedy (sampled with "
+        "the same seed).",
         "",
         "| model | temperature | method | cost ratio c | acceptance | mean accepted length | speedup (median) | "
-        "decode speedup (median) | greedy match | run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "decode speedup (median) | greedy match | seeded match | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path, results in runs.items():
         header = results["header"]
@@ -48,6 +49,7 @@ def summary_lines(runs: dict[Path, dict]) -> list[str]:
                 f"{fmt(r['cost_ratio'], '.3f')} | {fmt(r['acceptance_rate'], '.1%')} | "
                 f"{fmt(r['mean_accepted_length'])} | {fmt(speedup and speedup['median'], '.2f', 'x')} | "
                 f"{fmt(decode and decode['median'], '.2f', 'x')} | {fmt(r['greedy_match_rate'], '.0%')} | "
+                f"{fmt(r.get('seeded_match_rate'), '.0%')} | "
                 f"[{path.name}](benchmarks/{path.name}/report.md) |"
             )
     return lines + [""]

@@ -47,6 +47,7 @@ def _summary_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[s
             fmt(r["speculative_step_fraction"], ".0%"),
             fmt(r["controller_mean_gamma"]),
             fmt(r["greedy_match_rate"], ".0%"),
+            fmt(r.get("seeded_match_rate"), ".0%"),
             str(r["prompts"]),
             str(r["new_tokens"]),
         ]
@@ -57,7 +58,7 @@ def _summary_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[s
 SUMMARY_HEADER = [
     "tokens/s", "decode tokens/s", "speedup (median)", "speedup (mean)", "decode speedup (median)",
     "cost ratio c", "acceptance", "mean accepted length", "mean gamma", "speculative steps", "chosen gamma",
-    "greedy match", "prompts", "new tokens",
+    "greedy match", "seeded match", "prompts", "new tokens",
 ]
 
 
@@ -110,8 +111,9 @@ def _header_lines(results: dict) -> list[str]:
         "A speedup is a run's tokens/s over that of the plain run(s) adjacent to it in time, per prompt "
         "(per batch in the sweep), summarised by median and mean. tokens/s counts prefill and decoding, as a "
         "client waits; decode tokens/s and the decode speedup leave prefill out. Plain's own speedup is each plain "
-        "run over the previous one: the noise floor. Greedy match is the share of prompts whose output equals the "
-        "block's first plain run (for plain: the later plain runs, a determinism check). Speculative steps and "
+        "run over the previous one: the noise floor. Greedy match (seeded match, at a temperature above 0) is the "
+        "share of prompts whose output equals the block's first plain run with the same seed (for plain: the later "
+        "plain runs, a determinism check). Speculative steps and "
         "chosen gamma are the controller's choices; mean gamma is the draft length actually verified. "
         "The cost ratio c is the method's drafting seconds per draft position over the seconds of one plain "
         "step, both measured in this run at the same batch size.",

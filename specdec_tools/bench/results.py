@@ -22,6 +22,7 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
     chosen = [g for run in runs for g in run.chosen_gammas]
     speculative = [g for g in chosen if g]
     matches = [m for run in runs for m in (run.matches_plain or [])]
+    sampled = any(run.sampled for run in runs)
     engine_runs = [run for run in runs if run.prefill_s is not None]
     drafted = _sum_lists([run.drafted_per_position for run in runs])
     accepted = _sum_lists([run.accepted_per_position for run in runs])
@@ -42,7 +43,8 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
         "mean_gamma": share(sum(r.gamma_sum for r in runs), sum(r.verify_steps for r in runs)),
         "speculative_step_fraction": share(len(speculative), len(chosen)),
         "controller_mean_gamma": share(sum(speculative), len(speculative)),
-        "greedy_match_rate": share(sum(matches), len(matches)),
+        "greedy_match_rate": None if sampled else share(sum(matches), len(matches)),
+        "seeded_match_rate": share(sum(matches), len(matches)) if sampled else None,
         "steps": sum(run.steps for run in engine_runs) if engine_runs else None,
         "wall_s": sum(run.wall_s for run in runs),
         "prefill_s": sum(run.prefill_s for run in engine_runs) if engine_runs else None,

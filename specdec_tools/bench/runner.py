@@ -123,7 +123,8 @@ class Run:
     drafted_per_position: list[int] = field(default_factory=list)
     ratio: float | None = None  # tokens/s over the adjacent plain run(s)
     decode_ratio: float | None = None
-    matches_plain: list[bool] | None = None  # per row: greedy output equals plain's (greedy runs only)
+    matches_plain: list[bool] | None = None  # per row: output equals plain's (greedy, or sampled with the same seed)
+    sampled: bool = False  # temperature > 0: matches_plain compares seeded outputs
 
     @property
     def new_tokens(self) -> int:
@@ -293,6 +294,8 @@ def run_block(
     for run, ratio, decode_ratio in zip(runs, ratios, decode_ratios):
         run.ratio, run.decode_ratio = ratio, decode_ratio
         # The block's first plain run is the reference; later plain runs check that plain is deterministic.
-        if bench.temperature == 0 and run is not runs[0]:
+        # Sampled runs compare too: every method samples a prompt with the same seed (sampling_params).
+        if run is not runs[0]:
             run.matches_plain = [a == b for a, b in zip(run.outputs, reference)]
+            run.sampled = bench.temperature > 0
     return runs
