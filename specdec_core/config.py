@@ -46,6 +46,8 @@ class NgramConfig(Section):
     min_n: int = Field(1, ge=1, description="Shortest suffix n-gram to look up")
     max_n: int = Field(3, ge=1, description="Longest suffix n-gram to look up (tried first)")
     max_len: int = Field(8, ge=1, description="Most tokens proposed from one match")
+    candidates: int = Field(1, ge=1, description="Latest matches whose continuations are proposed together, as a tree; 1 proposes the latest match's, a chain")
+    max_nodes: int = Field(16, ge=1, description="Most nodes of a row's tree when candidates is above 1")
 
 
 class SuffixConfig(Section):
@@ -66,7 +68,8 @@ class QuantizedConfig(Section):
 
 
 class HybridConfig(Section):
-    min_n: int = Field(2, ge=1, description="A row takes the n-gram proposal when its suffix matches earlier text for at least this many tokens")
+    lookup: Literal["ngram", "suffix"] = Field("ngram", description="What a row whose text repeats takes: ngram (speculation.ngram's proposal) or suffix (speculation.suffix's tree, from its own text and earlier requests' outputs)")
+    min_n: int = Field(2, ge=1, description="A row takes the lookup's proposal when its suffix matches for at least this many tokens")
     drafter: Literal[MODEL_DRAFTERS] = Field("layer-skip", description="The model drafter for rows without such a match")
 
 

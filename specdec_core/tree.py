@@ -9,6 +9,8 @@ the tree whose parents are -1, 0, 1, ...
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 
@@ -76,3 +78,39 @@ def path_counts(base: torch.Tensor | None, tokens: torch.Tensor, parents: list[i
         counts[j + 1] = counts[parent + 1]
         counts[j + 1, int(tokens[j])] += 1
     return counts
+
+
+def continuation_tree(continuations: list[list[int]], max_nodes: int, min_probability: float
+                      ) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the most supported continuations, best first: each node's support is the share of
+    continuations through it, and nodes below min_probability are left out. Parents come before children,
+    since a child never has more support than its parent."""
+    if not continuations:
+        return [], []
+    children: list[dict[int, int]] = [{}]  # node 0 is the root
+    counts = [len(continuations)]
+    node_tokens = [-1]
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            child = children[node].get(token)
+            if child is None:
+                child = children[node][token] = len(counts)
+                children.append({})
+                counts.append(0)
+                node_tokens.append(token)
+            counts[child] += 1
+            node = child
+    tokens, parents, position = [], [], {0: -1}
+    heap = [(-counts[child], child, 0) for child in children[0].values()]
+    heapq.heapify(heap)
+    while heap and len(tokens) < max_nodes:
+        count, node, parent = heapq.heappop(heap)
+        if -count / len(continuations) < min_probability:
+            break
+        position[node] = len(tokens)
+        tokens.append(node_tokens[node])
+        parents.append(position[parent])
+        for child in children[node].values():
+            heapq.heappush(heap, (-counts[child], child, node))
+    return tokens, parents

@@ -28,6 +28,7 @@ from specdec_core.config import Config, ModelConfig
 from specdec_core.engine import Engine
 from specdec_core.models import vnni
 from specdec_core.models.loading import load_runner
+from specdec_core.models.paths import model_dir
 from specdec_core.models.quant import (
     DEFAULT_GROUP_SIZE,
     HEAD_WEIGHTS,
@@ -39,7 +40,6 @@ from specdec_core.models.quant import (
     cache_file,
     quantize_model,
 )
-from specdec_core.models.paths import model_dir
 from specdec_core.models.runner import BatchCache, ModelRunner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence

@@ -14,10 +14,6 @@ per-token figure is what separates them.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
 from scipy import stats
@@ -29,7 +25,8 @@ from specdec_core.models.loading import draft_runner
 from specdec_core.sampling import SamplingParams, to_probs
 from specdec_core.sequence import Sequence
 
-from .bench.prompts import DEFAULT_PROMPTS, encode, load_prompts, stratified
+from . import measurement
+from .bench.prompts import encode, load_prompts, stratified
 
 SUPPORT = 512  # tokens per position kept for the noise draws: the likeliest under p + q
 
@@ -78,23 +75,14 @@ def measure(config: Config, draft_name: str, prompts: list, max_tokens: int, tem
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/default.yaml")
+    parser = measurement.parser(__doc__, prompts=20)
     parser.add_argument("--draft-model", required=True, help="the sampling drafter's model (same tokenizer)")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    parser.add_argument("--limit", type=int, default=20, help="prompts, stratified over the categories")
-    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--draws", type=int, default=512, help="Gumbel noise samples per position")
-    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    result = measure(Config.load(args.config), args.draft_model, stratified(load_prompts(args.prompts), args.limit),
-                     args.max_tokens, args.temperature, args.draws)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    prompts = stratified(load_prompts(args.prompts), args.limit)
+    result = measure(Config.load(args.config), args.draft_model, prompts, args.max_tokens, args.temperature, args.draws)
+    measurement.report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -232,7 +232,7 @@ def test_negative_control_wrong_noise_fails(target, draft, noise, monkeypatch):
 
 
 def test_ngram_prompt_proposes():
-    assert lookup(PROMPTS["ngram"], 1, 3, TOKENS) == [7, 9, 8]
+    assert lookup(PROMPTS["ngram"], 1, 3, TOKENS) == [[7, 9, 8]]
 
 
 @pytest.mark.parametrize("drafter, setting", CASES)

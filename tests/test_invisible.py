@@ -8,13 +8,15 @@ from collections.abc import Callable
 
 import pytest
 
-from specdec_core.config import ModelConfig
+from specdec_core.config import Config, ModelConfig
 from specdec_core.control import Controller
 from specdec_core.drafters.base import Drafter
+from specdec_core.drafters.distilled import DistilledDrafter
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.eagle import EagleDrafter
 from specdec_core.drafters.hybrid import HybridDrafter
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
+from specdec_core.drafters.medusa import MedusaDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.drafters.suffix import SuffixDrafter
 from specdec_core.engine import Engine
@@ -23,12 +25,16 @@ from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.runner import ModelRunner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
+from specdec_tools.bench.prompts import load_prompts
+from specdec_tools.flips import flips
 
 from .helpers import (
     decode,
     single_thread,  # noqa: F401  (autouse: torch on one thread)
 )
+from .test_distill import random_adapter
 from .test_engine import TINY_TEXTS
+from .test_medusa import perturbed_heads
 
 INT4 = ModelConfig(target="tiny-random-qwen2", dtype="bf16", weights="int4", device="cpu")
 MAX_TOKENS = 20
@@ -51,12 +57,18 @@ def float_copy() -> ModelRunner:
 
 DRAFTERS: dict[str, Callable[[ModelRunner], Drafter]] = {
     "ngram": lambda target: NgramDrafter(),
+    "ngram-tree": lambda target: NgramDrafter(candidates=4),
     "suffix": lambda target: SuffixDrafter(max_tokens=10_000, factor=2.0, min_probability=0.0),
     "draft-model": lambda target: DraftModelDrafter(float_copy(), target.vocab_size),
     "layer-skip": lambda target: LayerSkipDrafter(target, k=1),
     "hybrid": lambda target: HybridDrafter(NgramDrafter(), DraftModelDrafter(float_copy(), target.vocab_size)),
+    "hybrid-suffix": lambda target: HybridDrafter(SuffixDrafter(10_000, factor=2.0, min_probability=0.0),
+                                                  DraftModelDrafter(float_copy(), target.vocab_size)),
     "eagle": lambda target: EagleDrafter(EagleNet(float_copy().model).eval().requires_grad_(False), 4, 3, 8),
+    "medusa": lambda target: MedusaDrafter(target, perturbed_heads(target.config.hidden_size, 3, 0.02, seed=0), None, 6, 2),
+    "distilled": lambda target: DistilledDrafter(target, random_adapter(target.config.hidden_size, 0.02, seed=0), k=1),
 }
+# Not here: `quantized` drafts with an int8/int4 copy of a float target, and over this target would be the target.
 
 
 def prompts_of(target: ModelRunner) -> list[list[int]]:
@@ -111,3 +123,11 @@ def test_negative_control_sdpa_passes_change_some_text(target, plain, monkeypatc
         if run(target, DRAFTERS[drafter](target), sequences(target, setting), gamma) != plain[setting]
     ]
     assert differs
+
+
+def test_the_flips_tool_finds_none_on_a_row_invariant_target(prompts_file):
+    """specdec_tools.flips, end to end on this target's config: verify passes agree with plain decoding at
+    every position."""
+    config = Config(model=INT4)
+    result = flips(config, load_prompts(prompts_file), max_tokens=24, k=5)
+    assert result["row_invariant"] and result["positions"] > 20 and result["flipped_positions"] == 0

@@ -110,6 +110,20 @@ def test_vnni_rows_do_not_depend_on_the_pass(precision: str):
         assert torch.equal(layer(x[rows]), together[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer_type", [Int4Linear, Int8Linear])
+def test_torchs_cpu_kernels_rows_do_not_depend_on_the_pass(layer_type, dtype):
+    """What ModelRunner.row_invariant rests on where our kernel cannot run: torch's CPU int4 and int8 kernels
+    give a row the same result in a pass of any length (float GEMMs need not: fp32's here do not)."""
+    torch.manual_seed(5)
+    linear = nn.Linear(1536, 256, bias=False, dtype=dtype)
+    layer = layer_type.from_linear(linear) if layer_type is Int8Linear else layer_type.from_linear(linear, 32)
+    x = torch.randn(64, 1536, dtype=dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(64)])
+    for rows in (2, 3, 7, 16, 33, 64):
+        assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
 needs_amx = pytest.mark.skipif(not vnni.amx(), reason=f"no AMX path here: {vnni.amx_missing()}")
 AMX_ROWS = [2, 3, 8, 15, 16, 17, 31, 48, 64]
 

@@ -18,21 +18,33 @@ import torch
 from transformers import DynamicCache
 
 from specdec_core.build import build_drafter
-from specdec_core.config import DRAFTERS, Config, ModelConfig, SpeculationConfig, with_overrides
+from specdec_core.config import (
+    DRAFTERS,
+    Config,
+    ModelConfig,
+    SpeculationConfig,
+    with_overrides,
+)
 from specdec_core.control import Controller
+from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.hybrid import HybridDrafter
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
 from specdec_core.drafters.ngram import NgramDrafter, lookup
-from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.quantized import quantized_copy
 from specdec_core.drafters.registry import NO_DRAFTER, REGISTRY, factory
+from specdec_core.drafters.suffix import SuffixDrafter
 from specdec_core.engine import Engine
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.quant import QuantLinear
 from specdec_core.models.runner import BatchCache, ModelRunner
+from specdec_core.models.vocab import (
+    COUNTS_FILE,
+    ReducedVocab,
+    count_tokens,
+    reduced_vocab,
+)
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_core.models.vocab import COUNTS_FILE, ReducedVocab, count_tokens, reduced_vocab
 from specdec_tools.calibrate import layer_acceptance
 
 from .helpers import (
@@ -74,14 +86,22 @@ DISTRIBUTION_DRAFTERS = {
         lambda t: DraftModelDrafter(int4_copy(t, SMALL), VOCAB, SMALL, early_exit=0.3), [1, 2, 3, 4, 5]
     ),
     "hybrid": (lambda t: HybridDrafter(NgramDrafter(2, 3), LayerSkipDrafter(t, 1)), [8, 7, 9, 8, 7]),
+    # Suffix trees and layer-skip chains in one batch: the chains join as trees of one branch.
+    "hybrid-suffix": (
+        lambda t: HybridDrafter(SuffixDrafter(1000, factor=2.0, min_probability=0.0), LayerSkipDrafter(t, 1)),
+        [8, 7, 9, 8, 7],
+    ),
 }
-DISTRIBUTION_CASES = [("layer-skip", p) for p in PARAMS] + [(d, "t1") for d in list(DISTRIBUTION_DRAFTERS)[1:]]
+DISTRIBUTION_CASES = (
+    [("layer-skip", p, "gumbel") for p in PARAMS] + [(d, "t1", "gumbel") for d in list(DISTRIBUTION_DRAFTERS)[1:]]
+    + [(d, "t1", "rejection") for d in ("layer-skip", "hybrid", "hybrid-suffix")]
+)
 
 
-@pytest.mark.parametrize("drafter, setting", DISTRIBUTION_CASES)
-def test_speculative_sampling_is_distributed_as_the_target(target, drafter, setting):
+@pytest.mark.parametrize("drafter, setting, rule", DISTRIBUTION_CASES)
+def test_speculative_sampling_is_distributed_as_the_target(target, drafter, setting, rule):
     make, prompt = DISTRIBUTION_DRAFTERS[drafter]
-    tokens, seqs = generate(target, make(target), prompt, PARAMS[setting], ROWS)
+    tokens, seqs = generate(target, make(target), prompt, PARAMS[setting], ROWS, rule)
     drafted = sum(seq.stats.draft_tokens for seq in seqs)
     accepted = sum(seq.stats.accepted_tokens for seq in seqs)
     # Both branches of the rule ran many times: drafts kept, and drafts rejected and replaced.
@@ -233,7 +253,7 @@ def test_hybrid_chooses_per_row(target):
     for seq in seqs:
         engine.add(seq)
     proposal = drafter.propose(seqs, 3)
-    assert proposal.tokens[0, : proposal.lengths[0]].tolist() == lookup(seqs[0].tokens, 2, 3, 3) == [9, 8, 7]
+    assert proposal.tokens[0, : proposal.lengths[0]].tolist() == lookup(seqs[0].tokens, 2, 3, 3)[0] == [9, 8, 7]
     assert proposal.lengths[1] == 3 and proposal.probs[1].sum(-1).tolist() == [1.0] * 3  # greedy q: one-hot
     assert drafter._model_rows == [False, True]
 
@@ -255,6 +275,7 @@ TINY_CONFIG = ModelConfig(target="tiny-random-llama", dtype="fp32", device="cpu"
         (SpeculationConfig(drafter="quantized", quantized={"weights": "int8"}), DraftModelDrafter, None),
         (SpeculationConfig(drafter="hybrid"), HybridDrafter, LayerSkipDrafter),
         (SpeculationConfig(drafter="hybrid", hybrid={"drafter": "quantized"}), HybridDrafter, DraftModelDrafter),
+        (SpeculationConfig(drafter="hybrid", hybrid={"lookup": "suffix", "min_n": 3}), HybridDrafter, LayerSkipDrafter),
     ],
 )
 def test_config_builds_each_drafter(speculation, kind, inner):
@@ -263,7 +284,9 @@ def test_config_builds_each_drafter(speculation, kind, inner):
     assert isinstance(drafter, kind) and drafter.name == speculation.drafter
     if inner:
         assert isinstance(drafter.model, inner) and drafter.model.name == speculation.hybrid.drafter
-        assert drafter.ngram.min_n == speculation.hybrid.min_n
+        lookup = drafter.lookup
+        assert isinstance(lookup, SuffixDrafter if speculation.hybrid.lookup == "suffix" else NgramDrafter)
+        assert (lookup.min_match if isinstance(lookup, SuffixDrafter) else lookup.min_n) == speculation.hybrid.min_n
     if kind is LayerSkipDrafter:
         assert drafter.k == 1  # 3/4 of the tiny model's two layers
 

@@ -10,17 +10,12 @@ import pytest
 
 from specdec_core import engine as engine_module
 from specdec_core.control import Controller
-from specdec_core.drafters.suffix import (
-    KEY,
-    SuffixDrafter,
-    TokenMemory,
-    continuation_tree,
-)
+from specdec_core.drafters.suffix import KEY, SuffixDrafter, TokenMemory
 from specdec_core.engine import SAMPLING_RULES, Engine
 from specdec_core.models.loading import eos_ids
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_core.tree import depths
+from specdec_core.tree import continuation_tree, depths
 
 from .helpers import (
     single_thread,  # noqa: F401  (autouse: torch on one thread)

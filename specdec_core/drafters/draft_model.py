@@ -27,7 +27,14 @@ import torch
 from ..models.loading import draft_runner, target_vocab
 from ..models.runner import BatchCache, ModelRunner
 from ..models.vocab import ReducedVocab
-from ..sampling import adjust_logits, keyed_tokens, make_generator, running_counts, sample, to_probs
+from ..sampling import (
+    adjust_logits,
+    keyed_tokens,
+    make_generator,
+    running_counts,
+    sample,
+    to_probs,
+)
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 

@@ -72,7 +72,7 @@ class EagleDrafter(Drafter):
         tokens, parents = tree.best(self.total_tokens)
         return Proposal(tokens=tokens.cpu(), lengths=[tokens.shape[1]] * len(seqs), probs=None, parents=parents)
 
-    def _grow(self, depth: int) -> "Tree":
+    def _grow(self, depth: int) -> Tree:
         """All nodes of `depth` levels, expanding the top_k of each level by cumulative log-probability."""
         net, k = self.net, self.top_k
         batch = self.roots.shape[0]

@@ -1,8 +1,11 @@
-"""Hybrid: an n-gram proposal where the text repeats itself, a model drafter elsewhere, per step and per row.
+"""Hybrid: a lookup where the text repeats itself, a model drafter elsewhere, per step and per row.
 
 A row whose suffix matches earlier text for at least `min_n` tokens takes the
-n-gram continuation (free, and right often when it exists); the others take
-the model drafter's proposal. The model drafts only in steps where some row
+lookup's proposal (free, and right often when it exists): the n-gram
+continuation, or the suffix drafter's tree (SuffixDecoding's pairing with a
+model, drafting from earlier requests too); the others take the model
+drafter's proposal. When either side proposes trees, the chains join them as
+trees of one branch. The model drafts only in steps where some row
 lacks a match, and then for the whole batch in one pass (a pass over B rows
 costs about what one row costs in the memory-bound regime). A row that took
 the n-gram proposal reports 0 kept tokens to the model drafter, which then
@@ -20,6 +23,7 @@ from ..models.runner import BatchCache
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -27,55 +31,67 @@ if TYPE_CHECKING:
 
 
 class HybridDrafter(Drafter):
-    """Per row, the n-gram proposal when there is one, else the model drafter's."""
+    """Per row, the lookup's proposal (n-gram or suffix) when there is one, else the model drafter's."""
 
-    def __init__(self, ngram: NgramDrafter, model: Drafter):
-        self.ngram = ngram
+    def __init__(self, lookup: NgramDrafter | SuffixDrafter, model: Drafter):
+        self.lookup = lookup
         self.model = model
         self._model_rows: list[bool] = []  # per row of the last proposal: it came from the model
-        self._model_proposal: Proposal | None = None
+        self._proposals: tuple[Proposal, Proposal | None] | None = None  # the last (lookup's, model's)
 
     def attach(self, cache: BatchCache) -> None:
         self.model.attach(cache)
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+        self.lookup.add(seq, features)
         self.model.add(seq, features)
 
     def remove(self, keep: list[int]) -> None:
+        self.lookup.remove(keep)
         self.model.remove(keep)
 
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
-        found = self.ngram.propose(seqs, gamma)
+        found = self.lookup.propose(seqs, gamma)
         self._model_rows = [length == 0 for length in found.lengths]
         if not any(self._model_rows):
-            self._model_proposal = None
+            self._proposals = found, None
             return found
-        drafted = self._model_proposal = self.model.propose(seqs, gamma)
-        lengths = [m if use else n for use, m, n in zip(self._model_rows, drafted.lengths, found.lengths)]
+        drafted = self.model.propose(seqs, gamma)
+        self._proposals = found, drafted
+        parts = [drafted if use else found for use in self._model_rows]
+        lengths = [part.lengths[i] for i, part in enumerate(parts)]
         width = max(lengths)
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         probs = torch.zeros(len(seqs), width, drafted.probs.shape[-1], device=drafted.probs.device)
-        for i, (use, length) in enumerate(zip(self._model_rows, lengths)):
+        trees = found.parents is not None or drafted.parents is not None
+        parents = []
+        for i, (use, part, length) in enumerate(zip(self._model_rows, parts, lengths)):
+            tokens[i, :length] = part.tokens[i, :length]
             if use:
-                tokens[i, :length] = drafted.tokens[i, :length]
                 probs[i, :length] = drafted.probs[i, :length]
-            else:
-                tokens[i, :length] = found.tokens[i, :length]
-                # A deterministic proposal is q one-hot, whatever the other rows' q.
+            else:  # a deterministic proposal is q one-hot, whatever the other rows' q
                 probs[i, torch.arange(length), tokens[i, :length].to(probs.device)] = 1.0
-        return Proposal(tokens=tokens, lengths=lengths, probs=probs)
+            parents.append(part.parents[i] if part.parents is not None else list(range(-1, length - 1)))
+        return Proposal(tokens=tokens, lengths=lengths, probs=probs, parents=parents if trees else None)
 
     def accepted(
         self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
     ) -> None:
-        if self._model_proposal is not None:
+        found, drafted = self._proposals
+        self.lookup.accepted(seqs, found, [[] if use else path for use, path in zip(self._model_rows, paths)], features)
+        if drafted is not None:
             kept = [path if use else [] for use, path in zip(self._model_rows, paths)]
-            self.model.accepted(seqs, self._model_proposal, kept, features)
+            self.model.accepted(seqs, drafted, kept, features)
 
 
 def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> HybridDrafter:
-    """n-gram lookups of at least speculation.hybrid.min_n tokens, else the model drafter hybrid.drafter (built by
-    name with `build`)."""
+    """Lookups (speculation.hybrid.lookup) of at least speculation.hybrid.min_n tokens, else the model drafter
+    hybrid.drafter (built by name with `build`)."""
     spec = config.speculation
-    ngram = NgramDrafter(spec.hybrid.min_n, max(spec.hybrid.min_n, spec.ngram.max_n), spec.ngram.max_len)
-    return HybridDrafter(ngram, build(spec.hybrid.drafter))
+    hybrid, ngram, suffix = spec.hybrid, spec.ngram, spec.suffix
+    lookup = (
+        SuffixDrafter(suffix.max_tokens, suffix.shared, suffix.factor, suffix.min_probability, suffix.max_match,
+                      suffix.max_nodes, min_match=hybrid.min_n) if hybrid.lookup == "suffix"
+        else NgramDrafter(hybrid.min_n, max(hybrid.min_n, ngram.max_n), ngram.max_len, ngram.candidates, ngram.max_nodes)
+    )
+    return HybridDrafter(lookup, build(hybrid.drafter))

@@ -21,7 +21,13 @@ import torch
 
 from ..models.artifacts import HEADS
 from ..models.loading import reducible
-from ..models.medusa_heads import MedusaHeads, full_ids, head_logits, load_heads, output_layer
+from ..models.medusa_heads import (
+    MedusaHeads,
+    full_ids,
+    head_logits,
+    load_heads,
+    output_layer,
+)
 from ..models.runner import ModelRunner
 from ..models.vocab import ReducedVocab
 from ..sequence import Sequence

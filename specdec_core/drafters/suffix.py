@@ -22,7 +22,6 @@ own earlier requests; `shared` pools them.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..sequence import Sequence
+from ..tree import continuation_tree
 from .base import Drafter, DrafterBuilder, Proposal
 
 if TYPE_CHECKING:
@@ -125,50 +125,16 @@ class TokenMemory:
         return best, found
 
 
-def continuation_tree(continuations: list[list[int]], max_nodes: int, min_probability: float
-                      ) -> tuple[list[int], list[int]]:
-    """(tokens, parents) of the most supported continuations, best first: each node's support is the share of
-    continuations through it, and nodes below min_probability are left out. Parents come before children,
-    since a child never has more support than its parent."""
-    if not continuations:
-        return [], []
-    children: list[dict[int, int]] = [{}]  # node 0 is the root
-    counts = [len(continuations)]
-    node_tokens = [-1]
-    for continuation in continuations:
-        node = 0
-        for token in continuation:
-            child = children[node].get(token)
-            if child is None:
-                child = children[node][token] = len(counts)
-                children.append({})
-                counts.append(0)
-                node_tokens.append(token)
-            counts[child] += 1
-            node = child
-    tokens, parents, position = [], [], {0: -1}
-    heap = [(-counts[child], child, 0) for child in children[0].values()]
-    heapq.heapify(heap)
-    while heap and len(tokens) < max_nodes:
-        count, node, parent = heapq.heappop(heap)
-        if -count / len(continuations) < min_probability:
-            break
-        position[node] = len(tokens)
-        tokens.append(node_tokens[node])
-        parents.append(position[parent])
-        for child in children[node].values():
-            heapq.heappush(heap, (-counts[child], child, node))
-    return tokens, parents
-
-
 class SuffixDrafter(Drafter):
     """Trees of the continuations that followed each row's longest suffix match, in its own text and in
     earlier requests' outputs."""
 
     def __init__(self, max_tokens: int, shared: bool = False, factor: float = 1.0, min_probability: float = 0.1,
-                 max_match: int = 32, max_nodes: int = 16):
+                 max_match: int = 32, max_nodes: int = 16, min_match: int = KEY):
+        """min_match: a row whose longest match is shorter proposes nothing (the hybrid's min_n)."""
         if max_match < KEY:
             raise ValueError(f"suffix.max_match must be at least {KEY}, got {max_match}")
+        self.min_match = min_match
         self.global_memory = TokenMemory(max_tokens)
         self.shared = shared
         self.factor, self.min_probability = factor, min_probability
@@ -209,7 +175,7 @@ class SuffixDrafter(Drafter):
         found = [own.matches(context, seq.client, True, self.max_match),
                  self.global_memory.matches(context, seq.client, self.shared, self.max_match)]
         length = max(match for match, _ in found)
-        if not length:
+        if not length or length < self.min_match:
             return [], []
         continuations = [document.tokens[start : start + gamma]
                          for match, occurrences in found if match == length for document, start in occurrences]

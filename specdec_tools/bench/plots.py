@@ -7,11 +7,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: the bench runs headless
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
+import matplotlib.pyplot as plt
+import matplotlib.ticker
 
-from .results import ALL  # noqa: E402
-from .stats import PLAIN  # noqa: E402
+from .results import ALL
+from .stats import PLAIN
 
 
 def _break_even(ax) -> None:

@@ -37,7 +37,12 @@ from torch import nn
 from tqdm import tqdm
 
 from specdec_core.drafters.distilled import Adapter, save_student
-from specdec_core.models.artifacts import STUDENT, artifact_dir, checkpoint_path, save_tensors
+from specdec_core.models.artifacts import (
+    STUDENT,
+    artifact_dir,
+    checkpoint_path,
+    save_tensors,
+)
 from specdec_core.models.medusa_heads import full_ids, output_layer
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab

@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec_core.models.artifacts import HEADS, artifact_dir, checkpoint_path
-from specdec_core.models.medusa_heads import MedusaHeads, full_ids, head_logits, output_layer, save_heads
+from specdec_core.models.medusa_heads import (
+    MedusaHeads,
+    full_ids,
+    head_logits,
+    output_layer,
+    save_heads,
+)
 from specdec_core.models.vocab import ReducedVocab
 
 from .data import Features, FeatureSplit
