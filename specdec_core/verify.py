@@ -5,7 +5,9 @@ is kept with probability min(1, p(x) / q(x)); at the first rejection the
 replacement is drawn from norm(max(0, p - q)); when all are kept a bonus token
 is drawn from p. The emitted tokens are then distributed exactly as sampling
 from p token by token. Greedy: keep the longest prefix equal to the target's
-argmax, then the target's own next token.
+argmax, then the target's own next token. The Gumbel rule (sampling.py) needs
+no rule of its own: its targets are the target's draws keyed by position, and
+they are judged as greedy rows are.
 
 Trees (SpecInfer, Miao et al. 2024): walk down from the root; at each node try
 its children in order, keeping child x with probability min(1, p(x) / q(x))
