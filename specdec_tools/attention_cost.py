@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=8)
     args = parser.parse_args(argv)
     lengths = [int(k) for k in args.lengths.split(",")]
-    measurement.report(measure(Config.load(args.config), args.context, lengths, args.reps), args.out)
+    measurement.report(measure(Config.load(args.config), args.context, lengths, args.reps), args.out, __spec__.name, argv)
 
 
 if __name__ == "__main__":

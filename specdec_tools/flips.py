@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=6, help="tokens per verify pass")
     args = parser.parse_args(argv)
     prompts = stratified(load_prompts(args.prompts), args.limit)
-    measurement.report(flips(Config.load(args.config), prompts, args.max_tokens, args.k), args.out)
+    measurement.report(flips(Config.load(args.config), prompts, args.max_tokens, args.k), args.out, __spec__.name, argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from .bench.prompts import DEFAULT_PROMPTS
@@ -22,9 +24,12 @@ def parser(doc: str, prompts: int | None = 10) -> argparse.ArgumentParser:
     return parser
 
 
-def report(result: dict, out: Path | None) -> None:
+def report(result: dict, out: Path | None, tool: str, argv: list[str] | None) -> None:
+    """Print the figures; with `out`, also write them there, with the command that made them (`python -m tool`
+    with `argv`, default the process's arguments)."""
     text = json.dumps(result, indent=2)
     print(text)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+        command = shlex.join(["python", "-m", tool, *(sys.argv[1:] if argv is None else argv)])
+        out.write_text(json.dumps({"command": command, **result}, indent=2) + "\n")

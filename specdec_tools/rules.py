@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     prompts = stratified(load_prompts(args.prompts), args.limit)
     result = measure(Config.load(args.config), args.draft_model, prompts, args.max_tokens, args.temperature, args.draws)
-    measurement.report(result, args.out)
+    measurement.report(result, args.out, __spec__.name, argv)
 
 
 if __name__ == "__main__":

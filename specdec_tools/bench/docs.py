@@ -3,9 +3,12 @@
     python -m specdec_tools.bench.docs --notes docs/benchmarks/NOTES.md --out docs/BENCHMARKS.md docs/benchmarks/RUN...
 
 The page is: the notes (prose about the runs, without figures), one summary
-table of every drafter at batch 1 across the runs, the adaptive controller's
-checks of every run, then each run's own report with its command, date and
-machine line (headings one level down, image paths made relative to docs/).
+table of every drafter at batch 1 across the runs, the one-figure tools'
+results (`--measurements`: the JSON that specdec_tools.flips, .rules and
+.attention_cost write with --out, with the command that made each), the
+adaptive controller's checks of every run, then each run's own report with its
+command, date and machine line (headings one level down, image paths made
+relative to docs/).
 """
 
 from __future__ import annotations
@@ -63,8 +66,22 @@ def embedded_report(path: Path) -> list[str]:
     return [text]
 
 
-def render(notes: str, runs: dict[Path, dict]) -> str:
-    lines = [notes.rstrip(), ""] + summary_lines(runs)
+def measurement_lines(measurements: dict[Path, dict]) -> list[str]:
+    """Each measurement JSON as a table of its figures, under its file name and the command that wrote it."""
+    lines = ["## Measurements", ""] if measurements else []
+    for path, figures in measurements.items():
+        command = figures.pop("command", None)
+        lines += [f"### `{path.name}`", ""] + ([f"    {command}", ""] if command else [])
+        lines += ["| figure | value |", "|---|---|"]
+        for key, value in figures.items():
+            shown = json.dumps(value) if isinstance(value, (list, dict)) else fmt(value, ".4g") if isinstance(value, float) else str(value)
+            lines.append(f"| {key} | {shown} |")
+        lines.append("")
+    return lines
+
+
+def render(notes: str, runs: dict[Path, dict], measurements: dict[Path, dict] | None = None) -> str:
+    lines = [notes.rstrip(), ""] + summary_lines(runs) + measurement_lines(measurements or {})
     lines += ["## The adaptive controller, per run", "", CONTROLLER_INTRO, ""]
     for path, results in runs.items():
         if results["controller"]:
@@ -78,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec_tools.bench.docs", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench output directories, in the order to show them")
     parser.add_argument("--notes", type=Path, required=True, help="markdown that opens the page: what was run and why")
+    parser.add_argument("--measurements", type=Path, nargs="*", default=[], help="the one-figure tools' JSON files")
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     args = parser.parse_args(argv)
     runs = {path: json.loads((path / "results.json").read_text()) for path in args.runs}
-    args.out.write_text(render(args.notes.read_text(), runs))
+    measurements = {path: json.loads(path.read_text()) for path in args.measurements}
+    args.out.write_text(render(args.notes.read_text(), runs, measurements))
     print(f"wrote {args.out} from {len(runs)} runs")
     return 0
 
