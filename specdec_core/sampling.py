@@ -10,7 +10,9 @@ argmax(log p_t + g_t), the Gumbel-max trick: an exact draw from p_t, with g_t
 a function of the seed and t alone, from a counter-based generator (numpy's
 Philox, keyed by the seed, its counter at t). No sequential stream is
 consumed, so how many tokens a step drafts, keeps or verifies cannot change
-any draw: a seed gives plain decoding's text with any drafter, gamma or tree.
+any draw: a seed gives plain decoding's text with any drafter, gamma or tree,
+wherever the target's passes are row-invariant (ModelRunner.row_invariant);
+elsewhere rounding can still part them at near-ties.
 """
 
 from __future__ import annotations
@@ -126,7 +128,9 @@ class PositionNoise:
             if t not in self._rows:
                 # The position in the counter's second word: the first counts the draws within a position.
                 generator = np.random.Generator(np.random.Philox(key=self.seed % 2**64, counter=t << 64))
-                self._rows[t] = torch.from_numpy(-np.log(generator.standard_exponential(self.vocab))).float().to(self.device)
+                # An exponential of exactly 0 (about 2^-53 a draw) would be noise +inf, and +inf - inf is NaN.
+                exponentials = np.maximum(generator.standard_exponential(self.vocab), np.finfo(np.float64).tiny)
+                self._rows[t] = torch.from_numpy(-np.log(exponentials)).float().to(self.device)
             rows.append(self._rows[t])
         return torch.stack(rows)
 

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from specdec_core.config import Config
+from specdec_core.models import attention
 from specdec_core.models.loading import load_runner
 
 from . import measurement
@@ -24,6 +25,8 @@ from . import measurement
 
 def measure(config: Config, context: int, lengths: list[int], reps: int) -> dict:
     runner = load_runner(config.model.target, config.model)
+    if runner.device.type != "cpu" or attention.extension() is None:
+        raise SystemExit("attention_cost: the row-invariant kernel runs on the CPU, and needs g++ to build")
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, runner.vocab_size, (context,), generator=generator).tolist()
     caches = {kernel: runner.prefill(prompt)[0] for kernel in (False, True)}

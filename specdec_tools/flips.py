@@ -35,7 +35,7 @@ def flips(config: Config, prompts: list, max_tokens: int, k: int) -> dict:
         tokens, out = ids + seq.output_ids, seq.output_ids
         cache = target.prefill(ids[:-1])[0]
         mine = 0
-        for start in range(0, len(out) - 1, k):
+        for start in range(0, len(out), k):
             # The pass: the token before position `start`, then plain's next k - 1 tokens as drafts.
             window = tokens[len(ids) - 1 + start : len(ids) - 1 + start + k]
             logits, _ = target.forward(cache, torch.tensor([window]), commit=True, row_invariant=target.row_invariant)

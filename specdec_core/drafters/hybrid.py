@@ -38,17 +38,24 @@ class HybridDrafter(Drafter):
         self.model = model
         self._model_rows: list[bool] = []  # per row of the last proposal: it came from the model
         self._proposals: tuple[Proposal, Proposal | None] | None = None  # the last (lookup's, model's)
+        self._rows = 0
 
     def attach(self, cache: BatchCache) -> None:
         self.model.attach(cache)
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
         self.lookup.add(seq, features)
-        self.model.add(seq, features)
+        try:
+            self.model.add(seq, features)
+        except BaseException:
+            self.lookup.remove(list(range(self._rows)))  # the engine takes the row back: so must the lookup
+            raise
+        self._rows += 1
 
     def remove(self, keep: list[int]) -> None:
         self.lookup.remove(keep)
         self.model.remove(keep)
+        self._rows = len(keep)
 
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
         found = self.lookup.propose(seqs, gamma)

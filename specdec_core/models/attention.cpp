@@ -81,6 +81,12 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), "one dtype");
   TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads must be a multiple of key heads");
   TORCH_CHECK(offsets.numel() == query.size(0) * query.size(2) + 1, "one offset per query row, plus one");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "a CPU kernel");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(3),
+              "key and value must be [B, Hkv, S, d] for query [B, H, k, d]");
+  TORCH_CHECK(offsets[-1].item<int64_t>() == slots.numel(), "the offsets must end at the number of slots");
+  TORCH_CHECK(slots.numel() == 0 || (slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < key.size(2)),
+              "a slot outside the keys");
   key = key.stride(3) == 1 ? key : key.contiguous();
   value = value.stride(3) == 1 ? value : value.contiguous();
   slots = slots.to(torch::kLong).contiguous();

@@ -51,6 +51,12 @@ def row_slots(allowed: torch.Tensor) -> RowSlots:
     return RowSlots(pairs[:, 1].contiguous(), torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
 
 
+def takes(config, dtype: torch.dtype) -> bool:
+    """Whether the kernel can serve a model: float32 or bfloat16, full attention in every layer (no sliding window)."""
+    layers = getattr(config, "layer_types", None) or ["full_attention"]
+    return dtype in (torch.float32, torch.bfloat16) and set(layers) == {"full_attention"}
+
+
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled kernel, or None where it cannot be built (then passes are not row-invariant)."""

@@ -40,7 +40,7 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
         quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
     # Each output row of the quantized CPU kernels is its own dot products; float GEMMs block by the row count.
     quantized = runner.device.type == "cpu" and not any(isinstance(m, nn.Linear) for m in runner.model.modules())
-    runner.row_invariant = quantized and attention.extension() is not None
+    runner.row_invariant = quantized and attention.takes(runner.model.config, runner.dtype) and attention.extension() is not None
     return runner
 
 
