@@ -29,4 +29,4 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     target = target or load_runner(config.model.target, config.model)
     spec = config.speculation
     controller = Controller(gamma_max=spec.gamma_max, fixed_gamma=spec.gamma, max_speculative_batch=spec.max_speculative_batch)
-    return Engine(target, build_drafter(config, target, drafter), controller, eos_ids(target), spec.sampling_rule)
+    return Engine(target, build_drafter(config, target, drafter), controller, eos_ids(target), spec.unseeded_rule)

@@ -87,21 +87,22 @@ SAMPLING_RULES = ("gumbel", "rejection")
 
 
 class Engine:
-    """Owns the target's batch cache, the drafter and the controller. Sampled rows are verified by
-    `sampling_rule`: "gumbel", draws keyed by position (sampling.PositionNoise), under which a draft is kept
-    iff it is the target's draw, or "rejection", rejection sampling (verify.py) from each row's generator."""
+    """Owns the target's batch cache, the drafter and the controller. Seeded sampled rows are verified by the
+    Gumbel rule: draws keyed by position (sampling.PositionNoise), a draft kept iff it is the target's draw, so
+    that a seed returns plain decoding's text. Unseeded ones by `unseeded_rule`: "rejection", rejection
+    sampling (verify.py) from each row's generator, or "gumbel"."""
 
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
-        sampling_rule: str = "gumbel",
+        unseeded_rule: str = "rejection",
     ):
-        if sampling_rule not in SAMPLING_RULES:
-            raise ValueError(f"sampling_rule {sampling_rule!r} is not one of {SAMPLING_RULES}")
+        if unseeded_rule not in SAMPLING_RULES:
+            raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
         self.target = target
         self.drafter = drafter
         self.controller = controller
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.sampling_rule = sampling_rule
+        self.unseeded_rule = unseeded_rule
         self.cache = BatchCache.empty(target.device)
         self.seqs: list[Sequence] = []
         if drafter:
@@ -122,7 +123,7 @@ class Engine:
             raise ValueError("a prompt needs at least one token")
         seq.stats.method = self.method
         seq.generator = seq.generator or make_generator(seq.params.seed, self.target.device)
-        if self.sampling_rule == "gumbel" and not seq.params.greedy:
+        if not seq.params.greedy and (seq.params.seed is not None or self.unseeded_rule == "gumbel"):
             # An unseeded row's noise is keyed by its generator's random seed.
             seq.noise = PositionNoise(seq.generator.initial_seed(), self.target.vocab_size, self.target.device)
         if seq.params.uses_counts:

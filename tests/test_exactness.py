@@ -112,7 +112,7 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
         engine.drafter.remove(rows)
     for seq in seqs[1:]:
         seq.stats.method = engine.method
-        seq.generator = make_generator(seq.params.seed, engine.target.device)
+        seq.generator = seq.generator or make_generator(seq.params.seed, engine.target.device)
         if seqs[0].noise is not None:
             seq.noise = PositionNoise(seq.params.seed, engine.target.vocab_size, engine.target.device)
         if seq.params.uses_counts:
@@ -123,11 +123,16 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
 def generate(
     target, drafter, prompt: list[int], params: SamplingParams, rows: int, rule: str = "gumbel"
 ) -> tuple[np.ndarray, list[Sequence]]:
-    """Decode TOKENS tokens for `rows` seeded copies of `prompt` in one batch under the sampling rule `rule`;
-    returns tokens [rows, TOKENS]."""
+    """Decode TOKENS tokens for `rows` copies of `prompt` in one batch under the sampling rule `rule`: seeded
+    rows (the Gumbel rule), or unseeded rows with generators seeded here (rejection sampling); returns tokens
+    [rows, TOKENS]."""
     controller = Controller(gamma_max=TOKENS, fixed_gamma=TOKENS, max_speculative_batch=rows)
-    engine = Engine(target, drafter, controller, eos_token_ids=set(), sampling_rule=rule)
-    seqs = [Sequence(f"r{i}", list(prompt), replace(params, seed=i), TOKENS) for i in range(rows)]
+    engine = Engine(target, drafter, controller, eos_token_ids=set(), unseeded_rule="rejection")
+    seeded = rule == "gumbel"
+    seqs = [Sequence(f"r{i}", list(prompt), replace(params, seed=i if seeded else None), TOKENS) for i in range(rows)]
+    if not seeded:
+        for i, seq in enumerate(seqs):
+            seq.generator = make_generator(i, target.device)
     add_rows(engine, seqs)
     while engine.seqs:
         engine.step()

@@ -133,3 +133,15 @@ def test_the_flips_tool_finds_none_on_a_row_invariant_target(prompts_file):
     config = Config(model=INT4)
     result = flips(config, load_prompts(prompts_file), max_tokens=24, k=5)
     assert result["row_invariant"] and result["positions"] > 20 and result["flipped_positions"] == 0
+
+
+@pytest.mark.parametrize("unseeded_rule", ["rejection", "gumbel"])
+def test_seeded_rows_always_take_the_gumbel_rule_unseeded_ones_the_configured_rule(target, unseeded_rule):
+    engine = Engine(target, None, Controller(), set(), unseeded_rule=unseeded_rule)
+    seeded, unseeded, greedy = (Sequence(name, [1, 2, 3], params, 4) for name, params in (
+        ("seeded", SamplingParams(temperature=0.7, seed=1)), ("unseeded", SamplingParams(temperature=0.7)),
+        ("greedy", SamplingParams(temperature=0.0))))
+    for seq in (seeded, unseeded, greedy):
+        engine.add(seq)
+    assert seeded.noise is not None and greedy.noise is None
+    assert (unseeded.noise is not None) == (unseeded_rule == "gumbel")
