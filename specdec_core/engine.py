@@ -325,8 +325,6 @@ class Engine:
                 top = logprobs.topk(seq.top_logprobs) if seq.top_logprobs else None
                 seq.top_logprob_ids.append(list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
             seq.output_ids.append(token)
-            if seq.noise is not None:
-                seq.noise.forget_before(len(seq.output_ids))
             if seq.counts is not None:
                 seq.counts[token] += 1
             emitted.append(token)
@@ -336,6 +334,8 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finished:
                 break
+        if seq.noise is not None:  # the positions behind the sequence are never drawn again
+            seq.noise.forget_before(len(seq.output_ids))
         return emitted
 
 
