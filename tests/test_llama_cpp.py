@@ -1,7 +1,8 @@
 """llama.cpp reference rows: reading the tools' own timings, and finding the tools.
 
 The logs are what this version's tools printed here (llama.cpp vendored in
-llama-cpp-python 0.3.36), trimmed to their summaries.
+llama-cpp-python 0.3.36), trimmed to their summaries; lookup.log is written from
+llama-lookup's summary format (examples/lookup/lookup.cpp) with made-up figures.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from specdec_cli.main import main
 from specdec_tools.bench.llama_cpp import (
+    LlamaCpp,
     find_tools,
     parse_completion,
     parse_speculative,
@@ -51,13 +53,35 @@ def test_missing_tools_say_how_to_build_them(tmp_path):
 
 
 def fake_tools(directory: Path) -> Path:
-    """Stand-ins for the two tools that print what the real ones printed (the bench's plumbing, not llama.cpp)."""
+    """Stand-ins for the tools that print what the real ones printed (the bench's plumbing, not llama.cpp).
+    The lookup stand-in echoes the prompt first, as llama-lookup does, and appends to its cache file."""
     directory.mkdir()
     for tool, log in (("llama-completion", "completion.log"), ("llama-speculative-simple", "speculative.log")):
         script = directory / tool
         script.write_text(f"#!/bin/sh\necho 'def reverse(s): return s[::-1]'\ncat '{LOGS / log}' >&2\n")
         script.chmod(0o755)
+    lookup = directory / "llama-lookup"
+    lookup.write_text(
+        "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in -f) prompt=$2;; -lcd) cache=$2;; esac; shift; done\n"
+        "printf '\\n\\n'; cat \"$prompt\"; echo 'def reverse(s): return s[::-1]'; echo run >> \"$cache\"\n"
+        f"cat '{LOGS / 'lookup.log'}' >&2\n"
+    )
+    lookup.chmod(0o755)
     return directory
+
+
+def test_lookup_text_leaves_the_echoed_prompt_out_and_its_cache_outlives_a_request(tmp_path):
+    llama = LlamaCpp(fake_tools(tmp_path / "tools"), tmp_path / "model.gguf", None, threads=1, gamma=5)
+    timing = llama.generate("<|im_start|>user\nReverse a string<|im_end|>\n", 32, "lookup")
+    assert timing.text == "def reverse(s): return s[::-1]\n"
+    assert (timing.new_tokens, timing.drafted, timing.accepted) == (25, 15, 9)
+    assert timing.prefill_s == pytest.approx(0.611) and timing.decode_s == pytest.approx(2.950)
+    llama.generate("again", 32, "lookup")
+    assert llama.lookup_cache.read_text() == "run\nrun\n"  # one file across requests: llama.cpp's memory
+    llama.forget()
+    assert not llama.lookup_cache.exists()
+    with pytest.raises(ValueError, match="one of plain, speculative, lookup"):
+        llama.generate("x", 4, "medusa")
 
 
 def bench(tmp_path, monkeypatch, config: str, tools: Path, prompts: Path) -> list[str]:
@@ -75,10 +99,11 @@ def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_d
     config.write_text(Path("configs/smollm2.yaml").read_text().replace("  gamma_max: 5", "  gamma_max: 5\n  draft_model: smollm2-135m"))
     records = bench(tmp_path, monkeypatch, str(config), fake_tools(tmp_path / "tools"), prompts_file)
     rows = {r["method"]: r for r in records if r["category"] == "all"}
-    assert {"plain", "llama.cpp", "llama.cpp-speculative"} <= set(rows)
+    assert {"plain", "llama.cpp", "llama.cpp-speculative", "llama.cpp-lookup"} <= set(rows)
     # The tools' own clock: 4 tokens of text over their prefill plus decode seconds.
     assert rows["llama.cpp"]["tokens_per_s"] > 0 and rows["llama.cpp"]["speedup_vs_plain"]
     assert rows["llama.cpp-speculative"]["acceptance_rate"] == pytest.approx(21 / 30)
+    assert rows["llama.cpp-lookup"]["acceptance_rate"] == pytest.approx(9 / 15)
 
 
 def test_bench_llama_cpp_needs_registry_models(tmp_path, monkeypatch, prompts_file):

@@ -38,6 +38,7 @@ class Drafter(ABC):
 
     name = "unnamed"  # what stats and metrics call it: build.registered_drafter names a drafter by its registry key
     uses_features = False  # the engine runs the target with features and passes them to add() and accepted()
+    remembers_requests = False  # what it drafts depends on earlier requests (a cross-request memory)
 
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""

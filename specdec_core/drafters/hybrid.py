@@ -40,6 +40,10 @@ class HybridDrafter(Drafter):
         self._proposals: tuple[Proposal, Proposal | None] | None = None  # the last (lookup's, model's)
         self._rows = 0
 
+    @property
+    def remembers_requests(self) -> bool:
+        return self.lookup.remembers_requests or self.model.remembers_requests
+
     def attach(self, cache: BatchCache) -> None:
         self.model.attach(cache)
 

@@ -129,6 +129,8 @@ class SuffixDrafter(Drafter):
     """Trees of the continuations that followed each row's longest suffix match, in its own text and in
     earlier requests' outputs."""
 
+    remembers_requests = True
+
     def __init__(self, max_tokens: int, shared: bool = False, factor: float = 1.0, min_probability: float = 0.1,
                  max_match: int = 32, max_nodes: int = 16, min_match: int = KEY):
         """min_match: a row whose longest match is shorter proposes nothing (the hybrid's min_n)."""

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import shlex
 import statistics
 import sys
@@ -35,11 +36,13 @@ if TYPE_CHECKING:
 
     from .llama_cpp import LlamaCpp
     from .runner import Bench, Method, Run
+    from .workloads import Workload
 
 # specdec_cli/main.py imports this module to build its parser: torch, transformers and
 # tqdm are imported only when a bench actually runs, so other commands start fast.
 
 WARMUP_TOKENS = 16
+WORKLOAD_SESSIONS = 4  # sessions per workload when --num-prompts is not given
 
 
 def _list(text: str) -> list[str]:
@@ -89,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads, overriding the config's model.threads (on a shared machine 1 thread "
         "avoids OpenMP spin-waits on descheduled threads, which make 2-thread timings swing tenfold)",
     )
+    parser.add_argument(
+        "--workload", type=_list,
+        help="replay serving workloads instead of single prompts: comma-separated of spec-bench, multi-turn, "
+        "code-edit, agentic (specdec_tools/bench/workloads.py says what each is); each runs cold, then warm "
+        "(memories of earlier requests first filled by other sessions); --num-prompts is sessions per workload",
+    )
     parser.add_argument("--out", default="bench-out", help="output directory")
 
 
@@ -108,10 +117,25 @@ def _methods(args: argparse.Namespace, draft_model: str | None) -> list[Method]:
         if not draft_model:
             print(f"specdec bench: {args.config} has no draft model: hf-assisted left out", file=sys.stderr)
     if args.llama_cpp:
-        methods += [Method(name, name) for name in LLAMA_CPP_METHODS if draft_model or name == "llama.cpp"]
+        methods += [Method(name, name) for name in LLAMA_CPP_METHODS if draft_model or name != "llama.cpp-speculative"]
     if len({m.label for m in methods}) != len(methods):
         raise SystemExit(f"specdec bench: a method is named twice in {', '.join(m.label for m in methods)}")
     return methods
+
+
+def _workloads(args: argparse.Namespace) -> list[Workload]:
+    """The workloads asked for, by name; a workload replays at batch 1 only."""
+    if not args.workload:
+        return []
+    from .workloads import workloads
+
+    known = workloads(Path(args.prompts))
+    unknown = [name for name in args.workload if name not in known]
+    if unknown:
+        raise SystemExit(f"specdec bench: no workload {', '.join(unknown)}; choose from {', '.join(known)}")
+    if args.batch_sizes != [1]:
+        raise SystemExit("specdec bench: --workload replays requests one at a time; leave --batch-sizes at 1")
+    return [known[name] for name in args.workload]
 
 
 def _load(args: argparse.Namespace) -> list[Prompt]:
@@ -170,6 +194,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from .results import controller_checks, records, run_rows
     from .runner import Bench, run_block
     from .sweep import blocks_at, run_sweep
+    from .workloads import PHASES, replay, requests_in
 
     config = Config.load(args.config)
     if args.threads:
@@ -180,6 +205,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "specdec bench: --baseline and --llama-cpp run greedy at batch 1; use --temperature 0 and include 1 in --batch-sizes"
         )
     prompts = _load(args)
+    chosen_workloads = _workloads(args)
     sweep_sizes = [b for b in args.batch_sizes if b > 1]
     sweep_tokens = args.sweep_max_tokens or args.max_tokens
     engine_methods = [m for m in methods if not m.external]
@@ -190,23 +216,31 @@ def run_bench(args: argparse.Namespace) -> int:
     bench = Bench(config, methods, args.temperature, args.seed, _llama_cpp(args, config))
     eligible = _short(bench, prompts, args.max_prompt_tokens, "batch 1")
     selected = stratified(eligible, args.num_prompts or len(categories_of(eligible))) if 1 in args.batch_sizes else []
+    sessions = args.num_prompts or WORKLOAD_SESSIONS
+    if chosen_workloads:
+        selected = []  # the workloads' requests replace the single prompts
     sweep_limit = min(args.sweep_max_prompt_tokens, args.max_prompt_tokens or args.sweep_max_prompt_tokens)
     pool = stratified(_short(bench, prompts, sweep_limit, "the sweep"), max([args.sweep_rows, *sweep_sizes])) if sweep_sizes else []
     labels = [m.label for m in methods]
-    total = len(methods) + len(selected) * len(interleave(labels, args.plain_every)) + sum(
+    requests = len(PHASES) * sum(requests_in(w, sessions) for w in chosen_workloads)
+    total = len(methods) + (len(selected) + requests) * len(interleave(labels, args.plain_every)) + sum(
         blocks_at(b, args.sweep_rows) * len(interleave([m.label for m in engine_methods], args.plain_every))
         for b in sweep_sizes
     )
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     load_before = os.getloadavg()  # other work on a shared machine slows every method; say how much there was
     progress = Progress(total)
+    warmup_prompt = (selected or pool)[:1] or [eligible[0]]
     for method in methods:  # warm-up, not counted: first-call allocations, and the controllers' first costs
-        progress.run(bench.run(method, (selected or pool)[:1], min(WARMUP_TOKENS, args.max_tokens), block=-1))
+        progress.run(bench.run(method, warmup_prompt, min(WARMUP_TOKENS, args.max_tokens), block=-1))
     runs: list[Run] = []
     for i, prompt in enumerate(selected):
         block = run_block(bench, methods, [prompt], args.max_tokens, i, args.plain_every, progress.run)
         progress.block(block)
         runs += block
+    for workload in chosen_workloads:
+        runs += replay(bench, methods, workload, sessions, args.max_tokens, args.plain_every, len(runs),
+                       progress.run, progress.block)
     sweep = run_sweep(
         bench, engine_methods, pool, sweep_sizes, sweep_tokens, args.sweep_rows, args.plain_every,
         args.sweep_time_limit, progress.run, progress.block,
@@ -215,8 +249,16 @@ def run_bench(args: argparse.Namespace) -> int:
     progress.bar.close()
 
     recs = records(runs, labels)
+    header = _header(args, config, bench, prompts, eligible, selected, labels, started, load_before)
+    if chosen_workloads:
+        header["prompts"]["categories"] = list(dict.fromkeys(p.category for run in runs for p in run.prompts))
+        header["workloads"] = [
+            {"name": w.name, "source": w.source, "sessions": sessions, "requests": requests_in(w, sessions),
+             "python": platform.python_version()}
+            for w in chosen_workloads
+        ]
     results = {
-        "header": _header(args, config, bench, prompts, eligible, selected, labels, started, load_before),
+        "header": header,
         "records": recs,
         "controller": controller_checks(recs, methods),
         "sweep": {

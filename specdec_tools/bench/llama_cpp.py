@@ -10,7 +10,10 @@ on any batch above one token: AMX is switched off (see ../shared/MODELS.md).
 The bench runs them on the registry's own GGUF files (the Q4 weights our
 models are converted from) with the same prompt text, and reads their own
 timings: llama-completion for plain decoding, llama-speculative-simple for
-llama.cpp's speculative decoding with the registry's draft model.
+llama.cpp's speculative decoding with the registry's draft model, and
+llama-lookup for its n-gram cache drafting (prompt lookup plus a dynamic
+cache of earlier generations, kept in one file across the bench's requests:
+llama.cpp's own cross-request memory, emptied where ours is).
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-bench")
+KINDS = ("plain", "speculative", "lookup")  # what LlamaCpp.generate runs
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
@@ -116,6 +120,10 @@ def parse_speculative(log: str, text: str) -> Timing:
     )
 
 
+def _lookup_cache() -> Path:
+    return Path(tempfile.mkdtemp(prefix="specdec-llama-lookup-")) / "dynamic.bin"
+
+
 @dataclass
 class LlamaCpp:
     """Runs one prompt through llama.cpp's tools, greedy, on `threads` threads."""
@@ -125,25 +133,41 @@ class LlamaCpp:
     draft: Path | None
     threads: int
     gamma: int
+    lookup_cache: Path = field(default_factory=_lookup_cache)  # llama-lookup's dynamic n-gram cache
 
-    def generate(self, prompt: str, max_tokens: int, speculative: bool) -> Timing:
+    def forget(self) -> None:
+        """Empty llama-lookup's memory of earlier generations."""
+        self.lookup_cache.unlink(missing_ok=True)
+
+    def generate(self, prompt: str, max_tokens: int, kind: str) -> Timing:
+        if kind not in KINDS:
+            raise ValueError(f"llama.cpp runs one of {', '.join(KINDS)}, not {kind!r}")
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
             file.write(prompt)
             file.flush()
             common = ["-m", str(self.model), "-f", str(file.name), "-n", str(max_tokens), "-t", str(self.threads),
                       "--temp", "0", "--seed", "0", "-c", "4096"]
-            if speculative:
+            if kind == "speculative":
                 if self.draft is None:
                     raise ValueError("llama.cpp speculative decoding needs the config's draft model (speculation.draft_model)")
                 cmd = [str(self.tools / "llama-speculative-simple"), *common, "-md", str(self.draft),
                        "--spec-type", "draft-simple", "--spec-draft-n-max", str(self.gamma)]
+            elif kind == "lookup":
+                if not (self.tools / "llama-lookup").is_file():
+                    raise FileNotFoundError(f"no llama-lookup in {self.tools}; rebuild the tools: "
+                                            f"python -m specdec_tools.bench.llama_cpp build {self.tools.parent}")
+                cmd = [str(self.tools / "llama-lookup"), *common, "--spec-draft-n-max", str(self.gamma),
+                       "-lcd", str(self.lookup_cache)]
             else:
                 cmd = [str(self.tools / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if done.returncode:
             raise RuntimeError(f"{Path(cmd[0]).name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-        parse = parse_speculative if speculative else parse_completion
-        return parse(done.stderr + done.stdout, done.stdout)
+        if kind == "plain":
+            return parse_completion(done.stderr + done.stdout, done.stdout)
+        # llama-lookup echoes the prompt before the generation.
+        text = done.stdout.lstrip("\n").removeprefix(prompt) if kind == "lookup" else done.stdout
+        return parse_speculative(done.stderr + done.stdout, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,14 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 class Prompt:
     id: str
     category: str
-    text: str
+    text: str  # the last user turn
+    history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of the conversation, oldest first
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages, ending with the user's turn."""
+        turns = [m for user, answer in self.history
+                 for m in ({"role": "user", "content": user}, {"role": "assistant", "content": answer})]
+        return turns + [{"role": "user", "content": self.text}]
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
@@ -71,21 +78,25 @@ def stratified(prompts: Sequence[Prompt], count: int) -> list[Prompt]:
     return chosen[:count]
 
 
-def chat_text(tokenizer, text: str) -> str:
-    """A user turn through the chat template, as text (for tools that tokenize it themselves)."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return text
+def _prompt(prompt: Prompt | str) -> Prompt:
+    return Prompt("", "", prompt) if isinstance(prompt, str) else prompt
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of a user turn through the chat template (instruct models give junk on raw text)."""
+def chat_text(tokenizer, prompt: Prompt | str) -> str:
+    """A prompt (or a lone user turn) through the chat template, as text (for tools that tokenize it themselves)."""
+    messages = _prompt(prompt).messages()
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def encode(tokenizer, prompt: Prompt | str) -> list[int]:
+    """Token ids of a prompt (or a lone user turn) through the chat template (instruct models give junk on raw text)."""
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(_prompt(prompt).messages(), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
         return list(ids)
-    return tokenizer.encode(text)
+    return tokenizer.encode(chat_text(tokenizer, prompt))
 
 
 def add_prompts_argument(parser: argparse.ArgumentParser) -> None:

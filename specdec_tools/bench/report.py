@@ -84,6 +84,13 @@ TIME_HEADER = [
 ]
 
 
+def _workload_line(workloads: list[dict]) -> str:
+    return "- Workloads, each replayed cold (memories of earlier requests emptied) and then warm (filled first by as " \
+        "many other sessions): " + "; ".join(
+            f"`{w['name']}`: {w['sessions']} session(s), {w['requests']} request(s) ({w['source']}; Python {w['python']})"
+            for w in workloads)
+
+
 def _header_lines(results: dict) -> list[str]:
     header, settings, prompts = results["header"], results["header"]["settings"], results["header"]["prompts"]
     spec = header["config"]["speculation"]
@@ -102,6 +109,7 @@ def _header_lines(results: dict) -> list[str]:
         f"at end {_loads(header['load_average']['end'])}",
         f"- Config: `{header['config_path']}` (target `{header['config']['model']['target']}`, "
         f"draft `{spec['draft_model']}`, gamma_max {spec['gamma_max']})",
+        _workload_line(header["workloads"]) if header.get("workloads") else
         f"- Prompts at batch 1: {prompts['count']} from `{prompts['source']}`, "
         f"stratified over {', '.join(prompts['categories']) or '-'}{limit}",
         f"- Settings: max tokens {settings['max_tokens']}, temperature {settings['temperature']}, seed {settings['seed']}, "

@@ -34,7 +34,8 @@ from .stats import PLAIN, adjacent_ratios, interleave
 
 ENGINE_DRAFTERS = tuple(REGISTRY)  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
-LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-speculative")  # what --llama-cpp DIR adds
+LLAMA_CPP_METHODS = {"llama.cpp": "plain", "llama.cpp-speculative": "speculative", "llama.cpp-lookup": "lookup"}
+# what --llama-cpp DIR adds, and the kind of run each is (LlamaCpp.generate)
 _GAMMA = re.compile(r"g(\d+)")
 
 
@@ -50,7 +51,7 @@ class Method:
 
     @property
     def external(self) -> bool:
-        return self.drafter in HF_METHODS + LLAMA_CPP_METHODS
+        return self.drafter in (*HF_METHODS, *LLAMA_CPP_METHODS)
 
     @property
     def adaptive(self) -> bool:
@@ -84,6 +85,10 @@ def parse_method(text: str) -> Method:
     if gamma is not None and gamma < 1:
         raise ValueError(f"{text!r}: a fixed gamma must be at least 1 (plain is gamma 0)")
     return Method(text, name, gamma, ":".join(parts))
+
+
+def _remembers(engine: Engine) -> bool:
+    return bool(engine.drafter and engine.drafter.remembers_requests)
 
 
 @dataclass
@@ -167,10 +172,9 @@ class Bench:
         engines = {m.engine for m in methods if not m.external} | {"none"}
         if "hf-assisted" in {m.drafter for m in methods}:
             engines.add("draft-model")  # its draft model is the assistant
-        plain = build_engine(config, drafter="none")
-        self.engines: dict[str, Engine] = {"none": plain}
+        self.engines: dict[str, Engine] = {"none": build_engine(config, drafter="none")}
         for engine in sorted(engines - {"none"}):
-            self.engines[engine] = build_engine(with_overrides(config, engine), target=plain.target)
+            self.engines[engine] = self._engine(engine)
         spec = config.speculation
         # Fixed-gamma methods may speculate at any batch size, so the sweep measures what
         # speculation costs there; adaptive ones keep the config's cap, as the server would.
@@ -189,9 +193,26 @@ class Bench:
     def target(self) -> ModelRunner:
         return self.engines["none"].target
 
+    def _engine(self, name: str) -> Engine:
+        return build_engine(with_overrides(self.config, name), target=self.target)
+
+    def remembers(self, method: Method) -> bool:
+        """What the method drafts depends on earlier requests (a suffix memory, llama-lookup's cache)."""
+        if method.drafter == "llama.cpp-lookup":
+            return True
+        return not method.external and _remembers(self.engines[method.engine])
+
+    def forget(self) -> None:
+        """Every memory of earlier requests emptied, as in a server just started: those engines built anew."""
+        for name, engine in self.engines.items():
+            if _remembers(engine):
+                self.engines[name] = self._engine(name)
+        if self.llama_cpp:
+            self.llama_cpp.forget()
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.id not in self._ids:
-            self._ids[prompt.id] = encode(self.target.tokenizer, prompt.text)
+            self._ids[prompt.id] = encode(self.target.tokenizer, prompt)
         return self._ids[prompt.id]
 
     def params(self, prompt: Prompt) -> SamplingParams:
@@ -264,7 +285,7 @@ class Bench:
         if len(prompts) != 1:
             raise ValueError("llama.cpp's tools decode one prompt at a time")
         timing = self.llama_cpp.generate(
-            chat_text(self.target.tokenizer, prompts[0].text), max_tokens, speculative=method.drafter != "llama.cpp"
+            chat_text(self.target.tokenizer, prompts[0]), max_tokens, LLAMA_CPP_METHODS[method.drafter]
         )
         output = self.target.tokenizer.encode(timing.text, add_special_tokens=False)[:max_tokens]
         run = Run(method.label, 1, block, prompts, [output], timing.prefill_s + timing.decode_s, timing.prefill_s)

@@ -1,0 +1,145 @@
+"""Serving workloads (`specdec bench --workload`): the requests each builds, how answers flow into later
+requests, the agent's edits, and a replay through the bench where memories are emptied (cold) and filled by
+other sessions first (warm)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+
+import pytest
+
+from specdec_cli.main import main
+from specdec_core.config import Config
+from specdec_tools.bench.runner import Bench, Method
+from specdec_tools.bench.workloads import (
+    CODE_EDIT_FUNCTIONS,
+    INSTRUCTIONS,
+    PHASES,
+    agent_file,
+    apply_edit,
+    drive,
+    requests_in,
+    workloads,
+)
+
+from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
+
+
+@pytest.fixture()
+def two_turns(tmp_path):
+    """Spec-Bench's shape: two-turn questions (MT-bench's) and single-turn ones, in two categories each."""
+    path = tmp_path / "question.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it about snow."]},
+        {"question_id": 2, "category": "coding", "turns": ["Write a Python is_prime.", "Make it faster."]},
+        {"question_id": 3, "category": "writing", "turns": ["Describe a city.", "Describe it at night."]},
+        {"question_id": 4, "category": "coding", "turns": ["Reverse a list in C.", "Now in Rust."]},
+        {"question_id": 5, "category": "qa", "turns": ["What is the capital of France?"]},
+        {"question_id": 6, "category": "math", "turns": ["What is 12 * 13?"]},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def transcript(session, answers):
+    """Every prompt a session makes, each answered by the next of `answers`."""
+    prompts, replies = [], iter(answers)
+    drive(session, lambda prompt: (prompts.append(prompt), next(replies))[1])
+    return prompts
+
+
+def test_multi_turn_puts_the_first_answer_before_the_second_turn(two_turns):
+    workload = workloads(two_turns)["multi-turn"]
+    first, second = transcript(workload.sessions(1)[0], ["ANSWER ONE", "ANSWER TWO"])
+    assert (first.category, second.category) == ("multi-turn 1", "multi-turn 2")
+    assert [m["role"] for m in second.messages()] == ["user", "assistant", "user"]
+    assert second.messages()[1]["content"] == "ANSWER ONE" and second.text == "Now make it about snow."
+    # Only two-turn questions, stratified over their categories; the warm-up sessions are other questions.
+    measured = {transcript(s, ["a", "b"])[0].text for s in workload.sessions(2)}
+    warmup = {transcript(s, ["a", "b"])[0].text for s in workload.warmup(2)}
+    assert measured == {"Write a haiku about rain.", "Write a Python is_prime."} and not measured & warmup
+    assert requests_in(workload, 2) == 4
+
+
+def test_spec_bench_workload_is_the_first_turns_of_every_category(two_turns):
+    workload = workloads(two_turns)["spec-bench"]
+    prompts = [transcript(s, ["x"])[0] for s in workload.sessions(4)]
+    assert [p.text for p in prompts] == ["Write a haiku about rain.", "Write a Python is_prime.",
+                                         "What is the capital of France?", "What is 12 * 13?"]
+    assert {p.category for p in prompts} == {"spec-bench"}
+
+
+def test_code_edits_are_real_standard_library_functions_with_an_instruction(two_turns):
+    workload = workloads(two_turns)["code-edit"]
+    prompts = [transcript(s, ["x"])[0] for s in workload.sessions(len(CODE_EDIT_FUNCTIONS))]
+    assert len(prompts) == len(CODE_EDIT_FUNCTIONS)  # every one is pure Python on this interpreter
+    for prompt in prompts:
+        code = prompt.text.split("```python\n", 1)[1].split("```", 1)[0]
+        tree = ast.parse(code)  # dedented, whole: it parses
+        assert isinstance(tree.body[0], ast.FunctionDef) and 10 <= len(code.splitlines()) <= 130
+        assert "Return the whole code" in prompt.text
+    assert {next(i for i in INSTRUCTIONS if i in p.text) for p in prompts} == set(INSTRUCTIONS)
+
+
+def test_an_agent_edit_replaces_its_function_and_only_it():
+    file, names = agent_file("colorsys")
+    answer = f"Here:\n```python\ndef {names[1]}(y: float, i: float, q: float) -> tuple:\n    return (y, i, q)\n```"
+    edited = apply_edit(file, names[1], answer)
+    before, after = ast.parse(file), ast.parse(edited)
+    assert [f.name for f in after.body] == [f.name for f in before.body] == names
+    assert ast.unparse(after.body[0]) == ast.unparse(before.body[0])
+    assert ast.unparse(after.body[1]).startswith(f"def {names[1]}(y: float")
+    # A truncated answer (no closing fence) or code that defines something else is not applied.
+    assert apply_edit(file, names[1], answer.removesuffix("```")) is None
+    assert apply_edit(file, names[1], "```python\ndef other():\n    pass\n```") is None
+
+
+def test_agentic_requests_resend_the_conversation_with_new_tool_output(two_turns):
+    session = workloads(two_turns)["agentic"].sessions(1)[0]
+    file, names = agent_file("colorsys")
+    good = f"```python\ndef {names[0]}(r: float, g: float, b: float) -> tuple:\n    return (r, g, b)\n```"
+    prompts = transcript(session, [good, "no code here", good])
+    assert len(prompts) == 3 and {p.category for p in prompts} == {"agentic"}
+    assert file in prompts[0].text and len(prompts[1].history) == 1 and len(prompts[2].history) == 2
+    assert prompts[1].history[0] == (prompts[0].text, good)  # the whole conversation, resent
+    assert "```diff" in prompts[1].text and f"def {names[0]}(r: float" in prompts[1].text
+    assert "failed" in prompts[2].text and f"`{names[2]}`" in prompts[2].text
+
+
+def test_bench_forgets_what_a_suffix_memory_learnt_and_nothing_else():
+    config = Config.load("configs/tiny-random.yaml")
+    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("ngram", "ngram")]
+    bench = Bench(config, methods, temperature=0.0, seed=0)
+    assert bench.remembers(methods[1]) and not bench.remembers(methods[2]) and not bench.remembers(methods[0])
+    from specdec_tools.bench.prompts import Prompt
+
+    bench.run(methods[1], [Prompt("p", "c", "hello there, hello there")], 8, block=0)
+    suffix, ngram = bench.engines["suffix"], bench.engines["ngram"]
+    assert suffix.drafter.global_memory.size > 0
+    bench.forget()
+    assert bench.engines["suffix"] is not suffix and bench.engines["suffix"].drafter.global_memory.size == 0
+    assert bench.engines["ngram"] is ngram and bench.engines["suffix"].target is bench.target
+
+
+def test_bench_replays_workloads_cold_and_warm(tmp_path, monkeypatch, two_turns):
+    out = tmp_path / "out"
+    argv = ["bench", "--config", "configs/tiny-random.yaml", "--prompts", str(two_turns), "--workload",
+            "multi-turn,agentic", "--drafters", "plain,suffix,ngram", "--num-prompts", "1", "--max-tokens", "4",
+            "--plain-every", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["specdec", *argv])
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [w["name"] for w in results["header"]["workloads"]] == ["multi-turn", "agentic"]
+    categories = {f"{kind} {phase}" for kind in ("multi-turn 1", "multi-turn 2", "agentic") for phase in PHASES}
+    assert set(results["header"]["prompts"]["categories"]) == categories
+    records = {(r["method"], r["category"]): r for r in results["records"] if r["batch_size"] == 1}
+    for method in ("plain", "suffix", "ngram"):
+        for category in categories:
+            assert records[method, category]["prompts"] == (3 if category.startswith("agentic") else 1)
+    # fp32 tiny models: every method gives plain's text, so every method saw the same conversations.
+    assert all(r["greedy_match_rate"] in (None, 1.0) for r in results["records"])
+    report = (out / "report.md").read_text()
+    assert "`multi-turn`: 1 session(s), 2 request(s)" in report and "agentic warm" in report
+    assert (out / "speedup_by_category.png").stat().st_size > 0
