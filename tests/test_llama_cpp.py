@@ -54,7 +54,8 @@ def test_missing_tools_say_how_to_build_them(tmp_path):
 
 def fake_tools(directory: Path) -> Path:
     """Stand-ins for the tools that print what the real ones printed (the bench's plumbing, not llama.cpp).
-    The lookup stand-in echoes the prompt first, as llama-lookup does, and appends to its cache file."""
+    The lookup stand-in echoes a BOS piece and the prompt first and two blank lines last, as llama-lookup does,
+    and appends to its cache file."""
     directory.mkdir()
     for tool, log in (("llama-completion", "completion.log"), ("llama-speculative-simple", "speculative.log")):
         script = directory / tool
@@ -63,7 +64,8 @@ def fake_tools(directory: Path) -> Path:
     lookup = directory / "llama-lookup"
     lookup.write_text(
         "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in -f) prompt=$2;; -lcd) cache=$2;; esac; shift; done\n"
-        "printf '\\n\\n'; cat \"$prompt\"; echo 'def reverse(s): return s[::-1]'; echo run >> \"$cache\"\n"
+        "printf '\\n\\n<s>'; cat \"$prompt\"; printf 'def reverse(s): return s[::-1]<|im_end|>\\n\\n\\n\\n'\n"
+        "echo run >> \"$cache\"\n"
         f"cat '{LOGS / 'lookup.log'}' >&2\n"
     )
     lookup.chmod(0o755)
@@ -73,7 +75,7 @@ def fake_tools(directory: Path) -> Path:
 def test_lookup_text_leaves_the_echoed_prompt_out_and_its_cache_outlives_a_request(tmp_path):
     llama = LlamaCpp(fake_tools(tmp_path / "tools"), tmp_path / "model.gguf", None, threads=1, gamma=5)
     timing = llama.generate("<|im_start|>user\nReverse a string<|im_end|>\n", 32, "lookup")
-    assert timing.text == "def reverse(s): return s[::-1]\n"
+    assert timing.text == "def reverse(s): return s[::-1]<|im_end|>"  # the bench drops the end-of-turn token
     assert (timing.new_tokens, timing.drafted, timing.accepted) == (25, 15, 9)
     assert timing.prefill_s == pytest.approx(0.611) and timing.decode_s == pytest.approx(2.950)
     llama.generate("again", 32, "lookup")

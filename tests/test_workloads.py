@@ -7,12 +7,14 @@ from __future__ import annotations
 import ast
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from specdec_cli.main import main
 from specdec_core.config import Config
-from specdec_tools.bench.runner import Bench, Method
+from specdec_tools.bench.prompts import Prompt
+from specdec_tools.bench.runner import Bench, Method, Run
 from specdec_tools.bench.workloads import (
     CODE_EDIT_FUNCTIONS,
     INSTRUCTIONS,
@@ -20,6 +22,7 @@ from specdec_tools.bench.workloads import (
     agent_file,
     apply_edit,
     drive,
+    replay,
     requests_in,
     workloads,
 )
@@ -91,6 +94,10 @@ def test_an_agent_edit_replaces_its_function_and_only_it():
     assert [f.name for f in after.body] == [f.name for f in before.body] == names
     assert ast.unparse(after.body[0]) == ast.unparse(before.body[0])
     assert ast.unparse(after.body[1]).startswith(f"def {names[1]}(y: float")
+    # An answer with the whole file again: only the function asked for is taken from it.
+    whole = f"```python\n{edited.replace('return (y, i, q)', 'return (q, i, y)')}```"
+    again = apply_edit(edited, names[1], whole)
+    assert [f.name for f in ast.parse(again).body] == names and "return (q, i, y)" in again
     # A truncated answer (no closing fence) or code that defines something else is not applied.
     assert apply_edit(file, names[1], answer.removesuffix("```")) is None
     assert apply_edit(file, names[1], "```python\ndef other():\n    pass\n```") is None
@@ -108,19 +115,60 @@ def test_agentic_requests_resend_the_conversation_with_new_tool_output(two_turns
     assert "failed" in prompts[2].text and f"`{names[2]}`" in prompts[2].text
 
 
-def test_bench_forgets_what_a_suffix_memory_learnt_and_nothing_else():
+def test_bench_forgets_what_a_suffix_memory_learnt_and_gives_each_remembering_method_its_own():
     config = Config.load("configs/tiny-random.yaml")
-    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("ngram", "ngram")]
+    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("suffix:g2", "suffix", 2),
+               Method("ngram", "ngram"), Method("ngram:g2", "ngram", 2)]
     bench = Bench(config, methods, temperature=0.0, seed=0)
-    assert bench.remembers(methods[1]) and not bench.remembers(methods[2]) and not bench.remembers(methods[0])
-    from specdec_tools.bench.prompts import Prompt
-
+    assert [bench.remembers(m) for m in methods] == [False, True, True, False, False]
+    # Methods that differ only in gamma share an engine, unless it remembers: then one drafts from the other's runs.
+    assert bench.engines["ngram"] is bench.engines["ngram:g2"]
+    assert bench.engines["suffix"] is not bench.engines["suffix:g2"]
     bench.run(methods[1], [Prompt("p", "c", "hello there, hello there")], 8, block=0)
-    suffix, ngram = bench.engines["suffix"], bench.engines["ngram"]
-    assert suffix.drafter.global_memory.size > 0
+    memory = bench.engines["suffix"].drafter.global_memory
+    assert memory.size > 0 and bench.engines["suffix:g2"].drafter.global_memory.size == 0
     bench.forget()
-    assert bench.engines["suffix"] is not suffix and bench.engines["suffix"].drafter.global_memory.size == 0
-    assert bench.engines["ngram"] is ngram and bench.engines["suffix"].target is bench.target
+    assert bench.engines["suffix"].drafter.global_memory.size == 0
+
+
+class RecordingBench:
+    """Just what `replay` uses of a Bench, recording each run: (method, prompt id, history length)."""
+
+    temperature = 0.0
+
+    def __init__(self, remembering: set[str]):
+        self.remembering, self.calls = remembering, []
+        self.target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: f"answer{len(ids)}"))
+
+    def remembers(self, method: Method) -> bool:
+        return method.label in self.remembering
+
+    def forget(self) -> None:
+        self.calls.append("forget")
+
+    def run(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        self.calls.append((method.label, prompts[0].id, len(prompts[0].history)))
+        return Run(method.label, 1, block, prompts, [[1, 2, 3]], wall_s=1.0, prefill_s=0.1)
+
+
+def test_replay_runs_cold_then_warms_only_the_remembering_methods_on_other_sessions(two_turns):
+    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("ngram", "ngram")]
+    bench = RecordingBench({"suffix"})
+    runs = replay(bench, methods, workloads(two_turns)["multi-turn"], 1, 8, plain_every=1)
+    cold, warm = bench.calls.index("forget"), len(bench.calls) - 1 - bench.calls[::-1].index("forget")
+    assert bench.calls.count("forget") == 2 and cold == 0
+    measured = [c for c in bench.calls if c != "forget" and not c[1].startswith("warm-up/")]
+    warmup = [c for c in bench.calls[warm:] if c != "forget" and c[1].startswith("warm-up/")]
+    # The warm-up: the remembering method alone, over the next session (question 2, the next category), both turns.
+    assert warmup == [("suffix", "warm-up/suffix/multi-turn/2/1", 0), ("suffix", "warm-up/suffix/multi-turn/2/2", 1)]
+    assert all(bench.calls.index(c) > warm for c in warmup)
+    # Measured: every method on the same requests, cold then warm, the second turn with the first answer.
+    ids = {(label, i) for label, i, _ in measured}
+    assert ids == {(m.label, f"{phase}/multi-turn/1/{turn}") for m in methods for phase in PHASES for turn in (1, 2)}
+    assert {h for _, i, h in measured if i.endswith("/2")} == {1}
+    assert [r.prompts[0].category for r in runs if r.method == "suffix"] == [
+        "multi-turn 1 cold", "multi-turn 2 cold", "multi-turn 1 warm", "multi-turn 2 warm"]
+    assert len({r.block for r in runs}) == 4  # one block per request, each its own number
 
 
 def test_bench_replays_workloads_cold_and_warm(tmp_path, monkeypatch, two_turns):

@@ -49,6 +49,9 @@ class Drafter(ABC):
     def remove(self, keep: list[int]) -> None:
         """Only the rows at indices `keep` stay, in that order."""
 
+    def forget(self) -> None:
+        """Whatever it remembers of earlier requests is dropped, as in a server just started."""
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
         """Up to gamma draft tokens for each row."""

@@ -61,6 +61,10 @@ class HybridDrafter(Drafter):
         self.model.remove(keep)
         self._rows = len(keep)
 
+    def forget(self) -> None:
+        self.lookup.forget()
+        self.model.forget()
+
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
         found = self.lookup.propose(seqs, gamma)
         self._model_rows = [length == 0 for length in found.lengths]

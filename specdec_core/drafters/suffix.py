@@ -148,6 +148,9 @@ class SuffixDrafter(Drafter):
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
         self.rows.append(seq)
 
+    def forget(self) -> None:
+        self.global_memory = TokenMemory(self.global_memory.max_tokens)
+
     def remove(self, keep: list[int]) -> None:
         kept = set(keep)
         for i, seq in enumerate(self.rows):

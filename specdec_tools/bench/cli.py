@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -135,7 +134,14 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
         raise SystemExit(f"specdec bench: no workload {', '.join(unknown)}; choose from {', '.join(known)}")
     if args.batch_sizes != [1]:
         raise SystemExit("specdec bench: --workload replays requests one at a time; leave --batch-sizes at 1")
-    return [known[name] for name in args.workload]
+    args.num_prompts = args.num_prompts or WORKLOAD_SESSIONS
+    chosen = [known[name] for name in args.workload]
+    for workload in chosen:
+        if len(workload.warmup(args.num_prompts)) < args.num_prompts:  # else warm would be barely warmer than cold
+            most = len(workload.sessions(1 << 20)) // 2
+            raise SystemExit(f"specdec bench: {workload.name} has sessions for --num-prompts {most} at most "
+                             "(as many again warm the memory)")
+    return chosen
 
 
 def _load(args: argparse.Namespace) -> list[Prompt]:
@@ -215,14 +221,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
     bench = Bench(config, methods, args.temperature, args.seed, _llama_cpp(args, config))
     eligible = _short(bench, prompts, args.max_prompt_tokens, "batch 1")
-    selected = stratified(eligible, args.num_prompts or len(categories_of(eligible))) if 1 in args.batch_sizes else []
-    sessions = args.num_prompts or WORKLOAD_SESSIONS
-    if chosen_workloads:
-        selected = []  # the workloads' requests replace the single prompts
+    # With workloads, their requests replace the single prompts.
+    selected = stratified(eligible, args.num_prompts or len(categories_of(eligible))) \
+        if 1 in args.batch_sizes and not chosen_workloads else []
     sweep_limit = min(args.sweep_max_prompt_tokens, args.max_prompt_tokens or args.sweep_max_prompt_tokens)
     pool = stratified(_short(bench, prompts, sweep_limit, "the sweep"), max([args.sweep_rows, *sweep_sizes])) if sweep_sizes else []
     labels = [m.label for m in methods]
-    requests = len(PHASES) * sum(requests_in(w, sessions) for w in chosen_workloads)
+    requests = len(PHASES) * sum(requests_in(w, args.num_prompts) for w in chosen_workloads)
     total = len(methods) + (len(selected) + requests) * len(interleave(labels, args.plain_every)) + sum(
         blocks_at(b, args.sweep_rows) * len(interleave([m.label for m in engine_methods], args.plain_every))
         for b in sweep_sizes
@@ -233,14 +238,15 @@ def run_bench(args: argparse.Namespace) -> int:
     warmup_prompt = (selected or pool)[:1] or [eligible[0]]
     for method in methods:  # warm-up, not counted: first-call allocations, and the controllers' first costs
         progress.run(bench.run(method, warmup_prompt, min(WARMUP_TOKENS, args.max_tokens), block=-1))
+    bench.forget()  # the warm-up prompt is measured again: no drafter may remember it
     runs: list[Run] = []
     for i, prompt in enumerate(selected):
         block = run_block(bench, methods, [prompt], args.max_tokens, i, args.plain_every, progress.run)
         progress.block(block)
         runs += block
     for workload in chosen_workloads:
-        runs += replay(bench, methods, workload, sessions, args.max_tokens, args.plain_every, len(runs),
-                       progress.run, progress.block)
+        runs += replay(bench, methods, workload, args.num_prompts, args.max_tokens, args.plain_every,
+                       1 + max((run.block for run in runs), default=-1), progress.run, progress.block)
     sweep = run_sweep(
         bench, engine_methods, pool, sweep_sizes, sweep_tokens, args.sweep_rows, args.plain_every,
         args.sweep_time_limit, progress.run, progress.block,
@@ -253,8 +259,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if chosen_workloads:
         header["prompts"]["categories"] = list(dict.fromkeys(p.category for run in runs for p in run.prompts))
         header["workloads"] = [
-            {"name": w.name, "source": w.source, "sessions": sessions, "requests": requests_in(w, sessions),
-             "python": platform.python_version()}
+            {"name": w.name, "source": w.source, "sessions": args.num_prompts, "requests": requests_in(w, args.num_prompts)}
             for w in chosen_workloads
         ]
     results = {

@@ -120,10 +120,6 @@ def parse_speculative(log: str, text: str) -> Timing:
     )
 
 
-def _lookup_cache() -> Path:
-    return Path(tempfile.mkdtemp(prefix="specdec-llama-lookup-")) / "dynamic.bin"
-
-
 @dataclass
 class LlamaCpp:
     """Runs one prompt through llama.cpp's tools, greedy, on `threads` threads."""
@@ -133,20 +129,28 @@ class LlamaCpp:
     draft: Path | None
     threads: int
     gamma: int
-    lookup_cache: Path = field(default_factory=_lookup_cache)  # llama-lookup's dynamic n-gram cache
+    _cache_dir: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+
+    @property
+    def lookup_cache(self) -> Path:
+        """llama-lookup's dynamic n-gram cache: one file across requests, removed with this object."""
+        if self._cache_dir is None:
+            self._cache_dir = tempfile.TemporaryDirectory(prefix="specdec-llama-lookup-")
+        return Path(self._cache_dir.name) / "dynamic.bin"
 
     def forget(self) -> None:
         """Empty llama-lookup's memory of earlier generations."""
         self.lookup_cache.unlink(missing_ok=True)
 
-    def generate(self, prompt: str, max_tokens: int, kind: str) -> Timing:
+    def generate(self, prompt: str, max_tokens: int, kind: str, context: int = 4096) -> Timing:
+        """One greedy generation; `context` tokens of KV cache (prompt, output and drafts must fit)."""
         if kind not in KINDS:
             raise ValueError(f"llama.cpp runs one of {', '.join(KINDS)}, not {kind!r}")
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
             file.write(prompt)
             file.flush()
             common = ["-m", str(self.model), "-f", str(file.name), "-n", str(max_tokens), "-t", str(self.threads),
-                      "--temp", "0", "--seed", "0", "-c", "4096"]
+                      "--temp", "0", "--seed", "0", "-c", str(context)]
             if kind == "speculative":
                 if self.draft is None:
                     raise ValueError("llama.cpp speculative decoding needs the config's draft model (speculation.draft_model)")
@@ -165,8 +169,12 @@ class LlamaCpp:
             raise RuntimeError(f"{Path(cmd[0]).name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
         if kind == "plain":
             return parse_completion(done.stderr + done.stdout, done.stdout)
-        # llama-lookup echoes the prompt before the generation.
-        text = done.stdout.lstrip("\n").removeprefix(prompt) if kind == "lookup" else done.stdout
+        text = done.stdout
+        if kind == "lookup":  # it echoes the prompt (after any BOS piece) first, and ends with two blank lines
+            _, echoed, text = text.partition(prompt)
+            if not echoed:
+                raise RuntimeError(f"llama-lookup did not echo the prompt; its output began: {done.stdout[:500]!r}")
+            text = text.removesuffix("\n\n\n\n")
         return parse_speculative(done.stderr + done.stdout, text)
 
 

@@ -87,7 +87,7 @@ TIME_HEADER = [
 def _workload_line(workloads: list[dict]) -> str:
     return "- Workloads, each replayed cold (memories of earlier requests emptied) and then warm (filled first by as " \
         "many other sessions): " + "; ".join(
-            f"`{w['name']}`: {w['sessions']} session(s), {w['requests']} request(s) ({w['source']}; Python {w['python']})"
+            f"`{w['name']}`: {w['sessions']} session(s), {w['requests']} request(s) ({w['source']})"
             for w in workloads)
 
 

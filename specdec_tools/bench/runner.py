@@ -5,7 +5,9 @@ builds one engine per drafter and settings (`layer-skip:layer_skip.k=8` is
 another engine than `layer-skip`) and swaps in each method's own controller
 before its run, so `ngram` (adaptive) and `ngram:g4` (fixed) reuse the same
 engine but keep separate cost and acceptance measurements, as two servers
-would.
+would. A drafter that remembers earlier requests (suffix) is the exception:
+each method gets an engine of its own, so that no method drafts from
+another's runs of the same prompt.
 """
 
 from __future__ import annotations
@@ -169,12 +171,18 @@ class Bench:
         self.llama_cpp = llama_cpp
         self.temperature = temperature
         self.seed = seed
-        engines = {m.engine for m in methods if not m.external} | {"none"}
-        if "hf-assisted" in {m.drafter for m in methods}:
-            engines.add("draft-model")  # its draft model is the assistant
-        self.engines: dict[str, Engine] = {"none": build_engine(config, drafter="none")}
-        for engine in sorted(engines - {"none"}):
-            self.engines[engine] = self._engine(engine)
+        self.engines: dict[str, Engine] = {PLAIN: build_engine(config, drafter="none")}  # by method label
+        built: dict[str, Engine] = {}  # by engine spec: methods that differ only in gamma share one
+        for method in methods:
+            if method.drafter not in ENGINE_DRAFTERS:
+                continue
+            engine = built.get(method.engine)
+            if engine is None or _remembers(engine):  # a memory of earlier requests is one method's own
+                engine = self._engine(method.engine)
+                built.setdefault(method.engine, engine)
+            self.engines[method.label] = engine
+        if "hf-assisted" in {m.drafter for m in methods}:  # its draft model is the assistant
+            self.assistant = (built.get("draft-model") or self._engine("draft-model")).drafter.runner.model
         spec = config.speculation
         # Fixed-gamma methods may speculate at any batch size, so the sweep measures what
         # speculation costs there; adaptive ones keep the config's cap, as the server would.
@@ -191,7 +199,7 @@ class Bench:
 
     @property
     def target(self) -> ModelRunner:
-        return self.engines["none"].target
+        return self.engines[PLAIN].target
 
     def _engine(self, name: str) -> Engine:
         return build_engine(with_overrides(self.config, name), target=self.target)
@@ -200,13 +208,13 @@ class Bench:
         """What the method drafts depends on earlier requests (a suffix memory, llama-lookup's cache)."""
         if method.drafter == "llama.cpp-lookup":
             return True
-        return not method.external and _remembers(self.engines[method.engine])
+        return not method.external and _remembers(self.engines[method.label])
 
     def forget(self) -> None:
-        """Every memory of earlier requests emptied, as in a server just started: those engines built anew."""
-        for name, engine in self.engines.items():
-            if _remembers(engine):
-                self.engines[name] = self._engine(name)
+        """Every memory of earlier requests emptied, as in a server just started."""
+        for engine in self.engines.values():
+            if engine.drafter:
+                engine.drafter.forget()
         if self.llama_cpp:
             self.llama_cpp.forget()
 
@@ -227,7 +235,7 @@ class Bench:
         return self._run_engine(method, prompts, max_tokens, block)
 
     def _run_engine(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
-        engine = self.engines[method.engine]
+        engine = self.engines[method.label]
         controller = self.controllers.get(method.label)
         if controller is not None:
             engine.controller = controller
@@ -259,10 +267,10 @@ class Bench:
         spec = self.config.speculation
         assistant, options = None, {}
         if method.drafter == "hf-assisted":
-            assistant = self.engines["draft-model"].drafter.runner.model
+            assistant = self.assistant
         else:
             options = {"prompt_lookup_num_tokens": spec.gamma_max, "max_matching_ngram_size": spec.ngram.max_n}
-        eos = sorted(self.engines["none"].eos_token_ids)
+        eos = sorted(self.engines[PLAIN].eos_token_ids)
         # A fresh GenerationConfig: greedy, without penalties a model's saved config might carry.
         generation = GenerationConfig(
             do_sample=False, max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos[0], **options
@@ -284,10 +292,14 @@ class Bench:
         """
         if len(prompts) != 1:
             raise ValueError("llama.cpp's tools decode one prompt at a time")
+        ids = self.prompt_ids(prompts[0])
         timing = self.llama_cpp.generate(
-            chat_text(self.target.tokenizer, prompts[0]), max_tokens, LLAMA_CPP_METHODS[method.drafter]
+            chat_text(self.target.tokenizer, prompts[0]), max_tokens, LLAMA_CPP_METHODS[method.drafter],
+            context=max(4096, len(ids) + max_tokens + 64),  # 64: drafts past the last token
         )
-        output = self.target.tokenizer.encode(timing.text, add_special_tokens=False)[:max_tokens]
+        # Every token the tools' clock covers (their drafts may overshoot -n), the end-of-turn piece left out.
+        eos = self.engines[PLAIN].eos_token_ids
+        output = [t for t in self.target.tokenizer.encode(timing.text, add_special_tokens=False) if t not in eos]
         run = Run(method.label, 1, block, prompts, [output], timing.prefill_s + timing.decode_s, timing.prefill_s)
         run.draft_tokens, run.accepted_tokens = timing.drafted or 0, timing.accepted or 0
         return run

@@ -42,7 +42,8 @@ def kv_bytes_per_token(runner: ModelRunner) -> int:
 
 def batch_bytes(bench: Bench, batch: int, slots: int) -> int:
     """Rough peak memory of one batch: both models' KV caches plus float32 logits of a full verify pass."""
-    runners = [bench.target] + [e.drafter.runner for e in bench.engines.values() if isinstance(e.drafter, DraftModelDrafter)]
+    drafts = {id(e.drafter.runner): e.drafter.runner for e in bench.engines.values() if isinstance(e.drafter, DraftModelDrafter)}
+    runners = [bench.target, *drafts.values()]
     width = max(bench.config.speculation.gamma_max, *(c.fixed_gamma or 0 for c in bench.controllers.values())) + 1
     kv = sum(kv_bytes_per_token(r) for r in runners) * batch * slots
     # Logits, their softmax, and the draft's q: a few float32 copies of [batch, width, vocab].

@@ -61,22 +61,15 @@ AGENT_STEPS = 3
 
 @dataclass(frozen=True)
 class Workload:
-    """A named sequence of sessions: `sessions(n)` the n measured ones, `warmup(n)` n others for the warm run."""
+    """A named sequence of sessions: `sessions(n)` the first n, measured; `warmup(n)` the next n (fewer where the
+    workload runs out: 20 code edits, 8 agent modules), for the warm run."""
 
     name: str
     source: str  # where its text comes from, and under which licence
-    make: Callable[[int], list[Callable[[], Session]]]  # the first n sessions of the workload
-
-    def sessions(self, count: int) -> list[Callable[[], Session]]:
-        return self.make(count)
+    sessions: Callable[[int], list[Callable[[], Session]]]
 
     def warmup(self, count: int) -> list[Callable[[], Session]]:
-        return self.make(2 * count)[count:]
-
-
-def _two_turn_questions(path: Path) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [row for row in rows if len(row.get("turns", ())) == 2]
+        return self.sessions(2 * count)[count:]
 
 
 def _spec_bench(path: Path) -> Callable[[int], list[Callable[[], Session]]]:
@@ -96,7 +89,8 @@ def _single(prompt: Prompt) -> Callable[[], Session]:
 
 def _multi_turn(path: Path) -> Callable[[int], list[Callable[[], Session]]]:
     def make(count: int) -> list[Callable[[], Session]]:
-        questions = {str(q["question_id"]): q for q in _two_turn_questions(path)}
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        questions = {str(q["question_id"]): q for q in rows if len(q.get("turns", ())) == 2}
         tagged = [Prompt(i, q["category"], q["turns"][0]) for i, q in questions.items()]
         return [_conversation(f"multi-turn/{p.id}", questions[p.id]["turns"]) for p in stratified(tagged, count)]
 
@@ -141,6 +135,15 @@ def _code_edit(count: int) -> list[Callable[[], Session]]:
     return sessions[:count]
 
 
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _first_line(node: ast.FunctionDef) -> int:
+    """Where a function's source starts: its first decorator, else its def (1-based)."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list])
+
+
 def agent_file(module_name: str) -> tuple[str, list[str]]:
     """The agent's file: a module's first top-level functions (at most AGENT_FILE_LINES lines), and their names."""
     source = inspect.getsource(importlib.import_module(module_name))
@@ -148,8 +151,7 @@ def agent_file(module_name: str) -> tuple[str, list[str]]:
     chunks, names = [], []
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            chunk = "".join(lines[start : node.end_lineno])
+            chunk = "".join(lines[_first_line(node) - 1 : node.end_lineno])
             if len("\n\n".join([*chunks, chunk]).splitlines()) > AGENT_FILE_LINES:
                 break
             chunks.append(chunk)
@@ -161,17 +163,20 @@ _PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 
 def apply_edit(file: str, name: str, answer: str) -> str | None:
-    """The file with function `name` replaced by the answer's code block, or None where the answer holds no
-    complete block that defines it (truncated, or not code)."""
+    """The file with function `name` replaced by its new version from the answer's code block, or None where the
+    answer holds no complete block that defines it (truncated, or not code). Whatever else the block holds (the
+    rest of the file, again) is left out."""
     for block in _PYTHON_BLOCK.findall(answer):
         try:
-            tree = ast.parse(block)
+            new = _function(ast.parse(block), name)
         except SyntaxError:
             continue
-        if any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body):
-            current = next(n for n in ast.parse(file).body if isinstance(n, ast.FunctionDef) and n.name == name)
+        if new is not None:
+            block_lines = block.splitlines(keepends=True)
+            current = _function(ast.parse(file), name)
             lines = file.splitlines(keepends=True)
-            return "".join(lines[: current.lineno - 1]) + block.rstrip("\n") + "\n" + "".join(lines[current.end_lineno :])
+            replacement = "".join(block_lines[_first_line(new) - 1 : new.end_lineno]).rstrip("\n") + "\n"
+            return "".join(lines[: _first_line(current) - 1]) + replacement + "".join(lines[current.end_lineno :])
     return None
 
 
@@ -252,7 +257,8 @@ def replay(
                 for session in workload.warmup(count):
                     # Unmeasured, and each method's conversation goes on with its own answers.
                     drive(session, lambda prompt, m=method: text(
-                        bench.run(m, [tagged(prompt, "warm-up")], max_tokens, block=-1).outputs[0], skip_special_tokens=True))
+                        bench.run(m, [tagged(prompt, f"warm-up/{m.label}")], max_tokens, block=-1).outputs[0],
+                        skip_special_tokens=True))
 
         def measured(prompt: Prompt, phase: str = phase) -> str:
             block = run_block(bench, methods, [tagged(prompt, phase)], max_tokens, next(numbers), plain_every, on_run)
