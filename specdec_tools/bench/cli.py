@@ -227,8 +227,8 @@ def run_bench(args: argparse.Namespace) -> int:
     sweep_limit = min(args.sweep_max_prompt_tokens, args.max_prompt_tokens or args.sweep_max_prompt_tokens)
     pool = stratified(_short(bench, prompts, sweep_limit, "the sweep"), max([args.sweep_rows, *sweep_sizes])) if sweep_sizes else []
     labels = [m.label for m in methods]
-    requests = len(PHASES) * sum(requests_in(w, args.num_prompts) for w in chosen_workloads)
-    total = len(methods) + (len(selected) + requests) * len(interleave(labels, args.plain_every)) + sum(
+    requests = {w.name: requests_in(w, args.num_prompts) for w in chosen_workloads}  # per phase
+    total = len(methods) + (len(selected) + len(PHASES) * sum(requests.values())) * len(interleave(labels, args.plain_every)) + sum(
         blocks_at(b, args.sweep_rows) * len(interleave([m.label for m in engine_methods], args.plain_every))
         for b in sweep_sizes
     )
@@ -259,7 +259,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if chosen_workloads:
         header["prompts"]["categories"] = list(dict.fromkeys(p.category for run in runs for p in run.prompts))
         header["workloads"] = [
-            {"name": w.name, "source": w.source, "sessions": args.num_prompts, "requests": requests_in(w, args.num_prompts)}
+            {"name": w.name, "source": w.source, "sessions": args.num_prompts, "requests": requests[w.name]}
             for w in chosen_workloads
         ]
     results = {
