@@ -188,6 +188,10 @@ def test_bench_replays_workloads_cold_and_warm(tmp_path, monkeypatch, two_turns)
             assert records[method, category]["prompts"] == (3 if category.startswith("agentic") else 1)
     # fp32 tiny models: every method gives plain's text, so every method saw the same conversations.
     assert all(r["greedy_match_rate"] in (None, 1.0) for r in results["records"])
+    # Plain's tokens per request, once each, for offline replays of a drafter (ngram_sweep).
+    sequences = results["sequences"]
+    assert len(sequences) == len({s["id"] for s in sequences}) == 2 * (2 + 3)
+    assert all(s["prompt_ids"] and len(s["output_ids"]) <= 4 for s in sequences)
     report = (out / "report.md").read_text()
     assert "`multi-turn`: 1 session(s), 2 request(s)" in report and "agentic warm" in report
     assert (out / "speedup_by_category.png").stat().st_size > 0

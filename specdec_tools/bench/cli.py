@@ -197,7 +197,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from .plots import draw
     from .report import render
-    from .results import controller_checks, records, run_rows
+    from .results import controller_checks, plain_sequences, records, run_rows
     from .runner import Bench, run_block
     from .sweep import blocks_at, run_sweep
     from .workloads import PHASES, replay, requests_in
@@ -275,6 +275,7 @@ def run_bench(args: argparse.Namespace) -> int:
         },
         "plots": draw(recs, out),
         "runs": run_rows(runs),
+        "sequences": plain_sequences(runs, bench.prompt_ids),
     }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "report.md").write_text(render(results))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import transformers
 
+from .prompts import Prompt
 from .runner import Run
 from .stats import PLAIN, share, summary
 
@@ -154,6 +155,17 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
         }
         for run in runs
     ]
+
+
+def plain_sequences(runs: Sequence[Run], prompt_ids: Callable[[Prompt], list[int]]) -> list[dict]:
+    """Plain decoding's tokens for each prompt run alone, context and answer: greedy, they are every exact
+    drafter's too, so a drafter's acceptance can be replayed offline (specdec_tools.bench.ngram_sweep)."""
+    seen: dict[str, dict] = {}
+    for run in (r for r in runs if r.method == PLAIN and r.batch_size == 1):
+        for prompt, output in zip(run.prompts, run.outputs):
+            seen.setdefault(prompt.id, {"id": prompt.id, "category": prompt.category,
+                                        "prompt_ids": prompt_ids(prompt), "output_ids": output})
+    return list(seen.values())
 
 
 def machine(dtype: str, device: str) -> dict:
