@@ -54,8 +54,8 @@ def test_missing_tools_say_how_to_build_them(tmp_path):
 
 def fake_tools(directory: Path) -> Path:
     """Stand-ins for the tools that print what the real ones printed (the bench's plumbing, not llama.cpp).
-    The lookup stand-in echoes a BOS piece and the prompt first and two blank lines last, as llama-lookup does,
-    and appends to its cache file."""
+    The lookup stand-in reads its prompt file as llama.cpp does, echoes a BOS piece and the prompt first and two
+    blank lines last, as llama-lookup does, and appends to its cache file."""
     directory.mkdir()
     for tool, log in (("llama-completion", "completion.log"), ("llama-speculative-simple", "speculative.log")):
         script = directory / tool
@@ -64,7 +64,9 @@ def fake_tools(directory: Path) -> Path:
     lookup = directory / "llama-lookup"
     lookup.write_text(
         "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in -f) prompt=$2;; -lcd) cache=$2;; esac; shift; done\n"
-        "printf '\\n\\n<s>'; cat \"$prompt\"; printf 'def reverse(s): return s[::-1]<|im_end|>\\n\\n\\n\\n'\n"
+        # -f drops one trailing newline of the file, as llama.cpp's common/arg.cpp does
+        "printf '\\n\\n<s>'; if [ \"$(tail -c 1 \"$prompt\" | od -An -tx1 | tr -d ' ')\" = 0a ]; "
+        "then head -c -1 \"$prompt\"; else cat \"$prompt\"; fi; printf 'def reverse(s): return s[::-1]<|im_end|>\\n\\n\\n\\n'\n"
         "echo run >> \"$cache\"\n"
         f"cat '{LOGS / 'lookup.log'}' >&2\n"
     )

@@ -147,7 +147,7 @@ class LlamaCpp:
         if kind not in KINDS:
             raise ValueError(f"llama.cpp runs one of {', '.join(KINDS)}, not {kind!r}")
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
-            file.write(prompt)
+            file.write(prompt + "\n")  # -f drops the file's last newline (common/arg.cpp): the prompt stays whole
             file.flush()
             common = ["-m", str(self.model), "-f", str(file.name), "-n", str(max_tokens), "-t", str(self.threads),
                       "--temp", "0", "--seed", "0", "-c", str(context)]
