@@ -63,7 +63,10 @@ def fake_tools(directory: Path) -> Path:
         script.chmod(0o755)
     lookup = directory / "llama-lookup"
     lookup.write_text(
-        "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in -f) prompt=$2;; -lcd) cache=$2;; esac; shift; done\n"
+        "#!/bin/sh\nescape=1\n"
+        "while [ $# -gt 0 ]; do case $1 in -f) prompt=$2;; -lcd) cache=$2;; --no-escape) escape=;; esac; shift; done\n"
+        # and, as llama.cpp does unless told --no-escape, turns the two characters \t into a tab
+        "[ -n \"$escape\" ] && sed -i 's/\\\\t/\\t/g' \"$prompt\"\n"
         # -f drops one trailing newline of the file, as llama.cpp's common/arg.cpp does
         "printf '\\n\\n<s>'; if [ \"$(tail -c 1 \"$prompt\" | od -An -tx1 | tr -d ' ')\" = 0a ]; "
         "then head -c -1 \"$prompt\"; else cat \"$prompt\"; fi; printf 'def reverse(s): return s[::-1]<|im_end|>\\n\\n\\n\\n'\n"
@@ -76,7 +79,7 @@ def fake_tools(directory: Path) -> Path:
 
 def test_lookup_text_leaves_the_echoed_prompt_out_and_its_cache_outlives_a_request(tmp_path):
     llama = LlamaCpp(fake_tools(tmp_path / "tools"), tmp_path / "model.gguf", None, threads=1, gamma=5)
-    timing = llama.generate("<|im_start|>user\nReverse a string<|im_end|>\n", 32, "lookup")
+    timing = llama.generate("<|im_start|>user\nReverse a string, keeping each \\t<|im_end|>\n", 32, "lookup")
     assert timing.text == "def reverse(s): return s[::-1]<|im_end|>"  # the bench drops the end-of-turn token
     assert (timing.new_tokens, timing.drafted, timing.accepted) == (25, 15, 9)
     assert timing.prefill_s == pytest.approx(0.611) and timing.decode_s == pytest.approx(2.950)

@@ -150,7 +150,8 @@ class LlamaCpp:
             file.write(prompt + "\n")  # -f drops the file's last newline (common/arg.cpp): the prompt stays whole
             file.flush()
             common = ["-m", str(self.model), "-f", str(file.name), "-n", str(max_tokens), "-t", str(self.threads),
-                      "--temp", "0", "--seed", "0", "-c", str(context)]
+                      "--temp", "0", "--seed", "0", "-c", str(context),
+                      "--no-escape"]  # else the tools turn a prompt's backslash escapes (as in code) into tabs and newlines
             if kind == "speculative":
                 if self.draft is None:
                     raise ValueError("llama.cpp speculative decoding needs the config's draft model (speculation.draft_model)")
