@@ -116,3 +116,16 @@ def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_d
 def test_bench_llama_cpp_needs_registry_models(tmp_path, monkeypatch, prompts_file):
     with pytest.raises(SystemExit, match="needs registry models"):
         bench(tmp_path, monkeypatch, "configs/tiny-random.yaml", fake_tools(tmp_path / "tools"), prompts_file)
+
+
+def test_a_long_prompt_fits_one_batch_and_is_read_verbatim(tmp_path):
+    tools = fake_tools(tmp_path / "tools")
+    args = tmp_path / "args"
+    speculative = tools / "llama-speculative-simple"
+    speculative.write_text(speculative.read_text().replace("#!/bin/sh\n", f"#!/bin/sh\necho \"$@\" > '{args}'\n", 1))
+    llama = LlamaCpp(tools, tmp_path / "model.gguf", tmp_path / "draft.gguf", threads=1, gamma=5)
+    llama.generate("x" * 10, 32, "speculative", context=6000)
+    given = args.read_text().split()
+    # speculative-simple stops on a prompt longer than its batch (2048 by default): the batch is the context
+    assert given[given.index("-b") + 1] == given[given.index("-c") + 1] == "6000" and "--no-escape" in given
+

@@ -151,6 +151,7 @@ class LlamaCpp:
             file.flush()
             common = ["-m", str(self.model), "-f", str(file.name), "-n", str(max_tokens), "-t", str(self.threads),
                       "--temp", "0", "--seed", "0", "-c", str(context),
+                      "-b", str(context),  # llama-speculative-simple refuses a prompt longer than one batch
                       "--no-escape"]  # else the tools turn a prompt's backslash escapes (as in code) into tabs and newlines
             if kind == "speculative":
                 if self.draft is None:
