@@ -174,6 +174,7 @@ class Progress:
 
         self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
         self.ratios: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.finished: list[Run] = []  # every finished block's runs, kept should a later run fail
 
     def run(self, run: Run) -> None:
         self.bar.update(1)
@@ -185,6 +186,7 @@ class Progress:
         self.bar.set_postfix_str(f"B={run.batch_size} {run.method} {run.tokens_per_s:.1f} tok/s | median speedups: {medians}")
 
     def block(self, runs: list[Run]) -> None:
+        self.finished += runs
         for run in runs:
             if run.ratio is not None:
                 self.ratios[run.method, run.batch_size].append(run.ratio)
@@ -199,7 +201,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from .report import render
     from .results import controller_checks, plain_sequences, records, run_rows
     from .runner import Bench, run_block
-    from .sweep import blocks_at, run_sweep
+    from .sweep import SweepResult, blocks_at, run_sweep
     from .workloads import PHASES, replay, requests_in
 
     config = Config.load(args.config)
@@ -239,52 +241,65 @@ def run_bench(args: argparse.Namespace) -> int:
     for method in methods:  # warm-up, not counted: first-call allocations, and the controllers' first costs
         progress.run(bench.run(method, warmup_prompt, min(WARMUP_TOKENS, args.max_tokens), block=-1))
     bench.forget()  # the warm-up prompt is measured again: no drafter may remember it
+
+    def write(runs: list[Run], sweep: SweepResult, stopped: str | None = None) -> int:
+        """results.json, report.md and the plots, of `runs`: all of them, or those finished before `stopped`."""
+        recs = records(runs, labels)
+        header = _header(args, config, bench, prompts, eligible, selected, labels, started, load_before)
+        if stopped:
+            header["stopped"] = stopped
+        if chosen_workloads:
+            header["prompts"]["categories"] = list(dict.fromkeys(p.category for run in runs for p in run.prompts))
+            header["workloads"] = [
+                {"name": w.name, "source": w.source, "sessions": args.num_prompts, "requests": requests[w.name]}
+                for w in chosen_workloads
+            ]
+        results = {
+            "header": header,
+            "records": recs,
+            "controller": controller_checks(recs, methods),
+            "sweep": {
+                "batch_sizes": sweep_sizes,
+                "completed": sweep.completed,
+                "stopped": sweep.stopped,
+                "max_prompt_tokens": sweep_limit,
+                "prompt_ids": [p.id for p in pool],
+            },
+            "plots": draw(recs, out),
+            "runs": run_rows(runs),
+            "sequences": plain_sequences(runs, bench.prompt_ids),
+        }
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "report.md").write_text(render(results))
+        for rec in (r for r in recs if r["category"] == "all"):
+            print(_summary_line(rec))
+        if sweep.stopped:
+            print(f"sweep stopped {sweep.stopped}")
+        print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plots")
+        return 0
+
     runs: list[Run] = []
-    for i, prompt in enumerate(selected):
-        block = run_block(bench, methods, [prompt], args.max_tokens, i, args.plain_every, progress.run)
-        progress.block(block)
-        runs += block
-    for workload in chosen_workloads:
-        runs += replay(bench, methods, workload, args.num_prompts, args.max_tokens, args.plain_every,
-                       1 + max((run.block for run in runs), default=-1), progress.run, progress.block)
-    sweep = run_sweep(
-        bench, engine_methods, pool, sweep_sizes, sweep_tokens, args.sweep_rows, args.plain_every,
-        args.sweep_time_limit, progress.run, progress.block,
-    )
+    try:
+        for i, prompt in enumerate(selected):
+            block = run_block(bench, methods, [prompt], args.max_tokens, i, args.plain_every, progress.run)
+            progress.block(block)
+            runs += block
+        for workload in chosen_workloads:
+            runs += replay(bench, methods, workload, args.num_prompts, args.max_tokens, args.plain_every,
+                           1 + max((run.block for run in runs), default=-1), progress.run, progress.block)
+        sweep = run_sweep(
+            bench, engine_methods, pool, sweep_sizes, sweep_tokens, args.sweep_rows, args.plain_every,
+            args.sweep_time_limit, progress.run, progress.block,
+        )
+    except Exception as error:
+        # Hours of measurement outlive one failed run: the blocks finished are written, then the cause stops the bench.
+        progress.bar.close()
+        write(progress.finished, SweepResult(), f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}")
+        raise
     runs += sweep.runs
     progress.bar.close()
+    return write(runs, sweep)
 
-    recs = records(runs, labels)
-    header = _header(args, config, bench, prompts, eligible, selected, labels, started, load_before)
-    if chosen_workloads:
-        header["prompts"]["categories"] = list(dict.fromkeys(p.category for run in runs for p in run.prompts))
-        header["workloads"] = [
-            {"name": w.name, "source": w.source, "sessions": args.num_prompts, "requests": requests[w.name]}
-            for w in chosen_workloads
-        ]
-    results = {
-        "header": header,
-        "records": recs,
-        "controller": controller_checks(recs, methods),
-        "sweep": {
-            "batch_sizes": sweep_sizes,
-            "completed": sweep.completed,
-            "stopped": sweep.stopped,
-            "max_prompt_tokens": sweep_limit,
-            "prompt_ids": [p.id for p in pool],
-        },
-        "plots": draw(recs, out),
-        "runs": run_rows(runs),
-        "sequences": plain_sequences(runs, bench.prompt_ids),
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "report.md").write_text(render(results))
-    for rec in (r for r in recs if r["category"] == "all"):
-        print(_summary_line(rec))
-    if sweep.stopped:
-        print(f"sweep stopped {sweep.stopped}")
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plots")
-    return 0
 
 
 def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:

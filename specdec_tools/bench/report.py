@@ -114,6 +114,8 @@ def _header_lines(results: dict) -> list[str]:
         f"stratified over {', '.join(prompts['categories']) or '-'}{limit}",
         f"- Settings: max tokens {settings['max_tokens']}, temperature {settings['temperature']}, seed {settings['seed']}, "
         f"plain run after every {settings['plain_every']} method(s)",
+        *([f"- **Stopped before its end**: {header['stopped']}. The figures are the blocks it finished."]
+          if header.get("stopped") else []),
         "",
         "Methods run interleaved with plain decoding over the same prompts, after an uncounted warm-up. "
         "A speedup is a run's tokens/s over that of the plain run(s) adjacent to it in time, per prompt "
