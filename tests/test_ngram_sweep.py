@@ -9,7 +9,7 @@ from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
-from specdec_tools.bench import ngram_sweep
+from specdec_tools import ngram_sweep
 
 from .helpers import single_thread, tiny_runner  # noqa: F401  (single_thread: autouse, torch on one thread)
 
@@ -38,9 +38,12 @@ def test_the_sweep_reads_a_runs_sequences_and_pools_by_group(tmp_path, capsys):
     results.write_text(json.dumps({"sequences": [repeated, novel]}))
     out = tmp_path / "sweep.json"
     assert ngram_sweep.main([str(results), "--max-n", "2", "--out", str(out)]) == 0
-    rows = {(r["min_n"], r["max_n"], r["group"]): r for r in json.loads(out.read_text())["rows"]}
-    # Copying its prompt, the edit keeps a 4-token draft from 1 after the target's own first token.
-    assert rows[1, 2, "code-edit cold"]["tokens_per_step"] == 5 / 2
-    assert rows[1, 2, "spec-bench cold"]["tokens_per_step"] == 1.0  # nothing to look up: one token a step
-    assert rows[1, 2, "all"]["tokens_per_step"] == 8 / 5
-    assert "min_n" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    tokens = figures["tokens per step, min_n=1 max_n=2"]
+    # Copying its prompt, the edit drafts from its 1 on: the 3 tokens its answer has left, all kept, after a
+    # first step with nothing to look up.
+    assert tokens["code-edit cold"] == 5 / 2
+    assert tokens["spec-bench cold"] == 1.0  # nothing to look up: one token a step
+    assert tokens["all"] == 8 / 5
+    assert figures["draft tokens per step, min_n=1 max_n=2"]["code-edit cold"] == 3 / 2
+    assert figures["command"].startswith("python -m specdec_tools.ngram_sweep") and '"all"' in capsys.readouterr().out

@@ -159,7 +159,7 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
 
 def plain_sequences(runs: Sequence[Run], prompt_ids: Callable[[Prompt], list[int]]) -> list[dict]:
     """Plain decoding's tokens for each prompt run alone, context and answer: greedy, they are every exact
-    drafter's too, so a drafter's acceptance can be replayed offline (specdec_tools.bench.ngram_sweep)."""
+    drafter's too, so a drafter's acceptance can be replayed offline (specdec_tools.ngram_sweep)."""
     seen: dict[str, dict] = {}
     for run in (r for r in runs if r.method == PLAIN and r.batch_size == 1):
         for prompt, output in zip(run.prompts, run.outputs):
