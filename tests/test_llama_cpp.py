@@ -53,28 +53,33 @@ def test_missing_tools_say_how_to_build_them(tmp_path):
 
 
 def fake_tools(directory: Path) -> Path:
-    """Stand-ins for the tools that print what the real ones printed (the bench's plumbing, not llama.cpp).
-    The lookup stand-in reads its prompt file as llama.cpp does, echoes a BOS piece and the prompt first and two
-    blank lines last, as llama-lookup does, and appends to its cache file."""
+    """Stand-ins for the tools that print what the real ones printed (the bench's plumbing, not llama.cpp)."""
     directory.mkdir()
-    for tool, log in (("llama-completion", "completion.log"), ("llama-speculative-simple", "speculative.log")):
+    completion = directory / "llama-completion"
+    completion.write_text(f"#!/bin/sh\necho 'def reverse(s): return s[::-1]'\ncat '{LOGS / 'completion.log'}' >&2\n")
+    completion.chmod(0o755)
+    for tool, log, end in (("llama-speculative-simple", "speculative.log", "\\n\\n"),
+                           ("llama-lookup", "lookup.log", "\\n\\n\\n\\n")):
         script = directory / tool
-        script.write_text(f"#!/bin/sh\necho 'def reverse(s): return s[::-1]'\ncat '{LOGS / log}' >&2\n")
+        script.write_text(echoing(log, end))
         script.chmod(0o755)
-    lookup = directory / "llama-lookup"
-    lookup.write_text(
-        "#!/bin/sh\nescape=1\n"
+    return directory
+
+
+def echoing(log: str, end: str) -> str:
+    """A stand-in that reads its prompt file as llama.cpp does, echoes a BOS piece and the prompt, answers,
+    prints `end` and its log, and appends to its cache file when given one (-lcd)."""
+    return (
+        "#!/bin/sh\nescape=1\ncache=/dev/null\n"
         "while [ $# -gt 0 ]; do case $1 in -f) prompt=$2;; -lcd) cache=$2;; --no-escape) escape=;; esac; shift; done\n"
         # and, as llama.cpp does unless told --no-escape, turns the two characters \t into a tab
         "[ -n \"$escape\" ] && sed -i 's/\\\\t/\\t/g' \"$prompt\"\n"
         # -f drops one trailing newline of the file, as llama.cpp's common/arg.cpp does
         "printf '\\n\\n<s>'; if [ \"$(tail -c 1 \"$prompt\" | od -An -tx1 | tr -d ' ')\" = 0a ]; "
-        "then head -c -1 \"$prompt\"; else cat \"$prompt\"; fi; printf 'def reverse(s): return s[::-1]<|im_end|>\\n\\n\\n\\n'\n"
+        f"then head -c -1 \"$prompt\"; else cat \"$prompt\"; fi; printf 'def reverse(s): return s[::-1]<|im_end|>{end}'\n"
         "echo run >> \"$cache\"\n"
-        f"cat '{LOGS / 'lookup.log'}' >&2\n"
+        f"cat '{LOGS / log}' >&2\n"
     )
-    lookup.chmod(0o755)
-    return directory
 
 
 def test_lookup_text_leaves_the_echoed_prompt_out_and_its_cache_outlives_a_request(tmp_path):
@@ -124,7 +129,8 @@ def test_a_long_prompt_fits_one_batch_and_is_read_verbatim(tmp_path):
     speculative = tools / "llama-speculative-simple"
     speculative.write_text(speculative.read_text().replace("#!/bin/sh\n", f"#!/bin/sh\necho \"$@\" > '{args}'\n", 1))
     llama = LlamaCpp(tools, tmp_path / "model.gguf", tmp_path / "draft.gguf", threads=1, gamma=5)
-    llama.generate("x" * 10, 32, "speculative", context=6000)
+    timing = llama.generate("x" * 10, 32, "speculative", context=6000)
+    assert timing.text == "def reverse(s): return s[::-1]<|im_end|>"  # its echo of the prompt is not its answer
     given = args.read_text().split()
     # speculative-simple stops on a prompt longer than its batch (2048 by default): the batch is the context
     assert given[given.index("-b") + 1] == given[given.index("-c") + 1] == "6000" and "--no-escape" in given

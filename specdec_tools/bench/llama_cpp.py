@@ -107,6 +107,9 @@ def parse_completion(log: str, text: str) -> Timing:
     return Timing(decoded + 1, prefill_s, decode_s, text)
 
 
+ECHO_END = {"lookup": "\n\n\n\n", "speculative": "\n\n"}  # what each tool prints after its answer
+
+
 def parse_speculative(log: str, text: str) -> Timing:
     """Timings and acceptance of llama-speculative-simple from its summary."""
     decoded = _SPEC["decoded"].search(log)
@@ -171,13 +174,12 @@ class LlamaCpp:
             raise RuntimeError(f"{Path(cmd[0]).name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
         if kind == "plain":
             return parse_completion(done.stderr + done.stdout, done.stdout)
-        text = done.stdout
-        if kind == "lookup":  # it echoes the prompt (after any BOS piece) first, and ends with two blank lines
-            _, echoed, text = text.partition(prompt)
-            if not echoed:
-                raise RuntimeError(f"llama-lookup did not echo the prompt; its output began: {done.stdout[:500]!r}")
-            text = text.removesuffix("\n\n\n\n")
-        return parse_speculative(done.stderr + done.stdout, text)
+        # Both echo the prompt (after any BOS piece) before their answer, which only the answer's tokens may count;
+        # after it llama-lookup prints two blank lines, llama-speculative-simple one.
+        _, echoed, text = done.stdout.partition(prompt)
+        if not echoed:
+            raise RuntimeError(f"{Path(cmd[0]).name} did not echo the prompt; its output began: {done.stdout[:500]!r}")
+        return parse_speculative(done.stderr + done.stdout, text.removesuffix(ECHO_END[kind]))
 
 
 def main(argv: list[str] | None = None) -> int:
