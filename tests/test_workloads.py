@@ -197,7 +197,14 @@ def test_bench_replays_workloads_cold_and_warm(tmp_path, monkeypatch, two_turns)
     assert (out / "speedup_by_category.png").stat().st_size > 0
 
 
-def test_a_failed_run_stops_the_bench_with_the_blocks_it_finished_written(tmp_path, monkeypatch, two_turns):
+@pytest.mark.parametrize(("error", "stopped"), [
+    (RuntimeError("llama-speculative-simple failed (1):\nthe prompt exceeds the batch size"),
+     "RuntimeError: llama-speculative-simple failed (1):"),
+    (KeyboardInterrupt(), "KeyboardInterrupt: "),  # Ctrl-C on a long bench keeps what it measured
+])
+def test_a_failed_or_interrupted_run_stops_the_bench_with_the_blocks_it_finished_written(
+    tmp_path, monkeypatch, two_turns, error, stopped
+):
     out = tmp_path / "out"
     argv = ["bench", "--config", "configs/tiny-random.yaml", "--prompts", str(two_turns), "--workload", "multi-turn",
             "--drafters", "plain,ngram", "--num-prompts", "1", "--max-tokens", "4", "--out", str(out)]
@@ -206,14 +213,14 @@ def test_a_failed_run_stops_the_bench_with_the_blocks_it_finished_written(tmp_pa
 
     def failing_after_the_first_block(self, method, prompts, max_tokens, block):
         if block >= 1:  # the warm-up (block -1) and the first request's block go through
-            raise RuntimeError("llama-speculative-simple failed (1):\nthe prompt exceeds the batch size")
+            raise error
         return run(self, method, prompts, max_tokens, block)
 
     monkeypatch.setattr(Bench, "run", failing_after_the_first_block)
-    with pytest.raises(RuntimeError, match="exceeds the batch size"):
+    with pytest.raises(type(error)):
         main(argv)
     results = json.loads((out / "results.json").read_text())
-    assert results["header"]["stopped"] == "RuntimeError: llama-speculative-simple failed (1):"
+    assert results["header"]["stopped"] == stopped
     assert {r["block"] for r in results["runs"]} == {0} and {r["method"] for r in results["runs"]} == {"plain", "ngram"}
     assert [s["id"] for s in results["sequences"]] == ["cold/multi-turn/1/1"]
     assert "Stopped before its end" in (out / "report.md").read_text()

@@ -291,8 +291,9 @@ def run_bench(args: argparse.Namespace) -> int:
             bench, engine_methods, pool, sweep_sizes, sweep_tokens, args.sweep_rows, args.plain_every,
             args.sweep_time_limit, progress.run, progress.block,
         )
-    except Exception as error:
-        # Hours of measurement outlive one failed run: the blocks finished are written, then the cause stops the bench.
+    except (Exception, KeyboardInterrupt) as error:
+        # Hours of measurement outlive one failed or interrupted run: the blocks finished are written, then the
+        # cause stops the bench.
         progress.bar.close()
         write(progress.finished, SweepResult(), f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}")
         raise
