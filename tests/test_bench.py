@@ -12,7 +12,7 @@ from specdec_tools.bench.docs import main as docs_main
 from specdec_tools.bench.prompts import Prompt, load_prompts, stratified
 from specdec_tools.bench.results import controller_checks, records
 from specdec_tools.bench.runner import Method, Run, parse_method
-from specdec_tools.bench.stats import adjacent_ratios, interleave, summary
+from specdec_tools.bench.stats import ratios_to_plain, interleave, summary
 
 # -- measurement design and statistics ---------------------------------------
 
@@ -28,20 +28,29 @@ def test_interleave_rotates_method_order_between_blocks():
     assert interleave(["a", "b"], rotate=2) == interleave(["a", "b"])
 
 
-def test_adjacent_ratios_divide_by_the_neighbouring_plain_runs():
+def test_ratios_to_plain_divide_by_the_neighbouring_plain_runs():
     labels = ["plain", "a", "plain", "b", "plain"]
-    ratios = adjacent_ratios(labels, [10.0, 30.0, 20.0, 10.0, 20.0])
+    ratios = ratios_to_plain(labels, [10.0, 30.0, 20.0, 10.0, 20.0])
     assert ratios[1] == pytest.approx(30 / 15)  # bracketed: mean of both neighbours
     assert ratios[3] == pytest.approx(10 / 20)
     # Plain runs against the previous plain run: the noise floor.
     assert ratios[0] is None and ratios[2] == pytest.approx(2.0) and ratios[4] == pytest.approx(1.0)
 
 
-def test_adjacent_ratios_with_one_plain_neighbour_or_no_rate():
-    ratios = adjacent_ratios(["plain", "a", "b", "plain"], [10.0, 20.0, None, 40.0])
-    assert ratios[1] == pytest.approx(2.0)  # only the plain run before it is adjacent
+def test_ratios_to_plain_reach_the_nearest_plain_runs_on_each_side_or_give_none_without_a_rate():
+    ratios = ratios_to_plain(["plain", "a", "b", "plain"], [10.0, 20.0, None, 40.0])
+    assert ratios[1] == pytest.approx(20 / 25)  # the plain runs before and after, one of them not adjacent
     assert ratios[2] is None
-    assert adjacent_ratios(["a", "b"], [1.0, 2.0]) == [None, None]
+    assert ratios_to_plain(["a", "b"], [1.0, 2.0]) == [None, None]
+    assert ratios_to_plain(["plain", "a"], [10.0, 5.0])[1] == pytest.approx(0.5)  # plain on one side only
+
+
+def test_with_four_methods_between_plain_runs_every_method_gets_a_ratio():
+    order = interleave(["plain", "a", "b", "c", "d", "e"], plain_every=4)
+    assert order == ["plain", "a", "b", "c", "d", "plain", "e", "plain"]
+    ratios = ratios_to_plain(order, [10.0, 10.0, 20.0, 30.0, 10.0, 30.0, 15.0, 20.0])
+    assert ratios[2] == pytest.approx(20 / 20) and ratios[3] == pytest.approx(30 / 20)  # no plain run next to them
+    assert ratios[6] == pytest.approx(15 / 25)
 
 
 def test_summary_median_mean_and_range_skip_missing_values():

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-max-prompt-tokens", type=int, default=256, help="the sweep only uses prompts up to this length")
     parser.add_argument("--sweep-rows", type=int, default=4, help="decode at least this many rows per batch size (several batches when B is smaller)")
     parser.add_argument("--sweep-time-limit", type=float, default=1800.0, help="seconds; the sweep stops before a batch size projected to pass it")
-    parser.add_argument("--plain-every", type=int, default=1, help="a plain run after every N methods (1: each method between two plain runs)")
+    parser.add_argument("--plain-every", type=int, default=1, help="a plain run after every N methods (1: each method between two plain runs next to it)")
     parser.add_argument("--baseline", choices=["hf-assisted"], help="add transformers' assisted generation and prompt lookup (greedy, batch 1)")
     parser.add_argument(
         "--llama-cpp", type=Path, metavar="DIR",

@@ -34,7 +34,7 @@ def summary_lines(runs: dict[Path, dict]) -> list[str]:
         "",
         "From each run's batch-1 records (all categories). c: drafting seconds per draft position over one plain "
         "step, measured in that run; speedup: median over prompts of tokens/s (prefill included) over the "
-        "adjacent plain runs; greedy (seeded) match: share of prompts whose output equals plain's, greedy (sampled with "
+        "nearest plain runs before and after; greedy (seeded) match: share of prompts whose output equals plain's, greedy (sampled with "
         "the same seed).",
         "",
         "| model | temperature | method | cost ratio c | acceptance | mean accepted length | speedup (median) | "

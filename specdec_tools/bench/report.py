@@ -118,7 +118,7 @@ def _header_lines(results: dict) -> list[str]:
           if header.get("stopped") else []),
         "",
         "Methods run interleaved with plain decoding over the same prompts, after an uncounted warm-up. "
-        "A speedup is a run's tokens/s over that of the plain run(s) adjacent to it in time, per prompt "
+        "A speedup is a run's tokens/s over that of the nearest plain runs before and after it in time, per prompt "
         "(per batch in the sweep), summarised by median and mean. tokens/s counts prefill and decoding, as a "
         "client waits; decode tokens/s and the decode speedup leave prefill out. Plain's own speedup is each plain "
         "run over the previous one: the noise floor. Greedy match (seeded match, at a temperature above 0) is the "

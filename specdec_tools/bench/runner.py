@@ -32,7 +32,7 @@ from specdec_core.sequence import Sequence as Seq
 
 from .llama_cpp import LlamaCpp
 from .prompts import Prompt, chat_text, encode
-from .stats import PLAIN, adjacent_ratios, interleave
+from .stats import PLAIN, ratios_to_plain, interleave
 
 ENGINE_DRAFTERS = tuple(REGISTRY)  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
@@ -321,8 +321,8 @@ def run_block(
     for label in order:
         runs.append(bench.run(by_label[label], prompts, max_tokens, block))
         on_run(runs[-1])
-    ratios = adjacent_ratios(order, [r.tokens_per_s for r in runs])
-    decode_ratios = adjacent_ratios(order, [r.decode_tokens_per_s for r in runs])
+    ratios = ratios_to_plain(order, [r.tokens_per_s for r in runs])
+    decode_ratios = ratios_to_plain(order, [r.decode_tokens_per_s for r in runs])
     reference = runs[0].outputs
     for run, ratio, decode_ratio in zip(runs, ratios, decode_ratios):
         run.ratio, run.decode_ratio = ratio, decode_ratio

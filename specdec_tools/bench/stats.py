@@ -4,8 +4,8 @@ Timings on a shared machine drift by more than the effects being measured
 (see MODELS.md: 12% between sittings), so methods are never compared across
 time. Every block (one prompt, or one batch) runs plain decoding next to
 every other method, and each method's throughput is divided by that of the
-plain run(s) adjacent to it in time. Linear drift cancels when a run is
-bracketed by two plain runs; it nearly cancels with one neighbour.
+plain runs around it in time. Linear drift cancels when a run is
+bracketed by two plain runs next to it; it nearly cancels with plain runs further off.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ PLAIN = "plain"
 def interleave(methods: Sequence[str], plain_every: int = 1, rotate: int = 0) -> list[str]:
     """The run order of one block: plain, then `plain_every` methods, then plain again, ..., ending in plain.
 
-    plain_every=1 brackets every method by two plain runs; 2 halves the plain
-    runs and still leaves each method next to one. `rotate` shifts the method
+    plain_every=1 brackets every method by two plain runs; N above 1 runs N
+    methods between two plain runs, fewer plain runs for a coarser correction of drift. `rotate` shifts the method
     order from block to block so that no method always runs first or last.
     """
     if plain_every < 1:
@@ -39,14 +39,16 @@ def interleave(methods: Sequence[str], plain_every: int = 1, rotate: int = 0) ->
     return order
 
 
-def adjacent_ratios(labels: Sequence[str], rates: Sequence[float | None]) -> list[float | None]:
-    """Each run's throughput over plain's next to it in time, for the runs of one block in order.
+def ratios_to_plain(labels: Sequence[str], rates: Sequence[float | None]) -> list[float | None]:
+    """Each run's throughput over plain's nearest to it in time, for the runs of one block in order.
 
-    A method's run is divided by the mean of its plain neighbours (one or both).
-    A plain run is divided by the previous plain run: the spread of those
-    ratios around 1.0 is the noise floor of the whole measurement. A run
-    without a rate (None) gets no ratio.
+    A method's run is divided by the mean of the nearest plain run before it and the nearest after it
+    (one where the block has plain on one side only): with `plain_every` above 2 some methods have no
+    plain run next to them, and they are still measured against the plain runs around them. A plain run
+    is divided by the previous plain run: the spread of those ratios around 1.0 is the noise floor of the
+    whole measurement. A run without a rate (None) gets no ratio.
     """
+    plain = [i for i, label in enumerate(labels) if label == PLAIN and rates[i]]
     ratios: list[float | None] = []
     previous_plain: float | None = None
     for i, (label, rate) in enumerate(zip(labels, rates)):
@@ -54,7 +56,9 @@ def adjacent_ratios(labels: Sequence[str], rates: Sequence[float | None]) -> lis
             ratios.append(rate / previous_plain if rate and previous_plain else None)
             previous_plain = rate
             continue
-        neighbours = [rates[j] for j in (i - 1, i + 1) if 0 <= j < len(labels) and labels[j] == PLAIN and rates[j]]
+        before = [j for j in plain if j < i][-1:]
+        after = [j for j in plain if j > i][:1]
+        neighbours = [rates[j] for j in before + after]
         ratios.append(rate / statistics.fmean(neighbours) if rate and neighbours else None)
     return ratios
 
