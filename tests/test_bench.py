@@ -12,7 +12,7 @@ from specdec_tools.bench.docs import main as docs_main
 from specdec_tools.bench.prompts import Prompt, load_prompts, stratified
 from specdec_tools.bench.results import controller_checks, records
 from specdec_tools.bench.runner import Method, Run, parse_method
-from specdec_tools.bench.stats import ratios_to_plain, interleave, summary
+from specdec_tools.bench.stats import interleave, ratios_to_plain, summary
 
 # -- measurement design and statistics ---------------------------------------
 

@@ -134,4 +134,3 @@ def test_a_long_prompt_fits_one_batch_and_is_read_verbatim(tmp_path):
     given = args.read_text().split()
     # speculative-simple stops on a prompt longer than its batch (2048 by default): the batch is the context
     assert given[given.index("-b") + 1] == given[given.index("-c") + 1] == "6000" and "--no-escape" in given
-

@@ -302,7 +302,6 @@ def run_bench(args: argparse.Namespace) -> int:
     return write(runs, sweep)
 
 
-
 def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
     """llama.cpp's tools on the GGUF files our registry converted the config's models from."""
     if not args.llama_cpp:

@@ -32,7 +32,7 @@ from specdec_core.sequence import Sequence as Seq
 
 from .llama_cpp import LlamaCpp
 from .prompts import Prompt, chat_text, encode
-from .stats import PLAIN, ratios_to_plain, interleave
+from .stats import PLAIN, interleave, ratios_to_plain
 
 ENGINE_DRAFTERS = tuple(REGISTRY)  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds

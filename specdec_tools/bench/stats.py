@@ -10,6 +10,7 @@ bracketed by two plain runs next to it; it nearly cancels with plain runs furthe
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Sequence
@@ -56,9 +57,8 @@ def ratios_to_plain(labels: Sequence[str], rates: Sequence[float | None]) -> lis
             ratios.append(rate / previous_plain if rate and previous_plain else None)
             previous_plain = rate
             continue
-        before = [j for j in plain if j < i][-1:]
-        after = [j for j in plain if j > i][:1]
-        neighbours = [rates[j] for j in before + after]
+        nearest = bisect.bisect(plain, i)  # plain[nearest - 1] runs last before i, plain[nearest] first after
+        neighbours = [rates[j] for j in plain[max(nearest - 1, 0) : nearest + 1]]
         ratios.append(rate / statistics.fmean(neighbours) if rate and neighbours else None)
     return ratios
 
