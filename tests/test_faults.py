@@ -35,6 +35,7 @@ from tests.test_security import captured_logs
 from tests.test_server import MODEL, NO_EOS, ROOT, error_of, make_config, running, sample
 
 LONG = 1900  # tokens: with NO_EOS, a request that runs until it is cancelled
+LOUD = ("WARNING", "ERROR", "CRITICAL")  # log levels an operator reads as something gone wrong
 
 
 def wait_until(condition: Callable[[], bool], what: str, limit_s: float = 120.0) -> None:
@@ -498,7 +499,8 @@ def test_a_client_that_leaves_counts_499_and_logs_nothing(served, bystanders):
                 sock.sendall(request)
         wait_until(lambda: requests_total(served.url, COMPLETIONS, 499) >= before[0] + 2, "both 499s to be counted")
     assert requests_total(served.url, COMPLETIONS, 500) == before[1]
-    assert not [line for line in lines if "Error" in line or "Traceback" in line], lines
+    # By level, not by words: the streamed text is logged at DEBUG and the tiny model may decode "Error".
+    assert not [line for line in lines if line.startswith(LOUD) or "Traceback (most recent call last)" in line], lines
 
 
 def test_an_unexpected_failure_is_a_500_without_internals_and_is_counted(served, bystanders, monkeypatch):

@@ -178,13 +178,13 @@ def test_generated_tokens_are_charged_to_their_key(guarded, stream):
 
 @contextmanager
 def captured_logs() -> Iterator[list[str]]:
-    """Every server-side log line while the block runs, uvicorn's access log included, at DEBUG."""
+    """Every server-side log line while the block runs, uvicorn's access log included, at DEBUG, each after its level."""
     lines: list[str] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if not record.name.startswith(("openai", "httpx", "httpcore")):  # the client side knows its key
-                lines.append(self.format(record))
+                lines.append(f"{record.levelname} {self.format(record)}")
 
     handler = Collect(logging.DEBUG)
     # uvicorn's loggers do not propagate to the root; the access log is on only at INFO.
