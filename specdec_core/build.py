@@ -9,6 +9,7 @@ from .drafters.registry import NO_DRAFTER, factory
 from .engine import Engine
 from .models.loading import eos_ids, load_runner
 from .models.runner import ModelRunner
+from .models.static_runner import on_step
 
 
 def build_drafter(config: Config, target: ModelRunner, drafter: str | None = None) -> Drafter | None:
@@ -25,8 +26,9 @@ def registered_drafter(name: str, config: Config, target: ModelRunner) -> Drafte
 
 
 def build_engine(config: Config, drafter: str | None = None, target: ModelRunner | None = None) -> Engine:
-    """The engine a config describes; `drafter` overrides the config's; `target` reuses a loaded target."""
-    target = target or load_runner(config.model.target, config.model)
+    """The engine a config describes; `drafter` overrides the config's; `target` reuses a loaded target's model
+    (on the config's model.step)."""
+    target = on_step(target, config.model.step) if target else load_runner(config.model.target, config.model)
     spec = config.speculation
     controller = Controller(gamma_max=spec.gamma_max, fixed_gamma=spec.gamma, max_speculative_batch=spec.max_speculative_batch)
     return Engine(target, build_drafter(config, target, drafter), controller, eos_ids(target), spec.unseeded_rule)

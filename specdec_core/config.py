@@ -23,6 +23,13 @@ class ModelConfig(Section):
     dtype: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="Activation dtype, and the weights' unless `weights` quantizes them")
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     threads: int | None = Field(None, description="CPU threads for torch; null keeps torch's default")
+    step: Literal["eager", "static", "compiled"] = Field(
+        "eager",
+        description="How the target's and a draft model's passes run: eager (transformers' forward over a slot cache), "
+        "static (our pass over a preallocated cache addressed by position, models/static_runner.py) or compiled (that "
+        "pass compiled by torch.compile: inductor on CPU, CUDA graphs on GPUs; the first passes wait for the compiler). "
+        "static and compiled run Llama-family decoders and every drafter but layer-skip",
+    )
     weights: Literal["int4", "int8", "bf16", "fp32", "fp16"] | None = Field(
         None,
         description="Precision of the linear layers' weights (target and draft model); `dtype` stays the activation "
@@ -135,18 +142,21 @@ class Config(Section):
 
 
 def with_overrides(config: Config, spec: str) -> Config:
-    """`name` or `name:key=value:...` (keys are dotted paths under `speculation`) as a config with that drafter."""
+    """`name` or `name:key=value:...` as a config with that drafter; keys are dotted paths under `speculation`,
+    or under `model` when they start with `model.` (as in suffix:model.step=compiled)."""
     name, *pairs = spec.split(":")
     data = config.model_dump()
     data["speculation"]["drafter"] = name
     for pair in pairs:
         key, _, value = pair.partition("=")
         *path, leaf = key.split(".")
-        node = data["speculation"]
+        section = "model" if path[:1] == ["model"] else "speculation"
+        path = path[1:] if section == "model" else path
+        node = data[section]
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node or not value:
-            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section "
-                             "(as in distilled:distilled.student=NAME or layer-skip:layer_skip.k=8)")
+            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section or of model."
+                             " (as in distilled:distilled.student=NAME, layer-skip:layer_skip.k=8 or ngram:model.step=compiled)")
         node[leaf] = yaml.safe_load(value)
     return type(config).model_validate(data)

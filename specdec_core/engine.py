@@ -103,7 +103,7 @@ class Engine:
         self.controller = controller
         self.eos_token_ids = frozenset(eos_token_ids)
         self.unseeded_rule = unseeded_rule
-        self.cache = BatchCache.empty(target.device)
+        self.cache = target.new_cache()
         self.seqs: list[Sequence] = []
         if drafter:
             drafter.attach(self.cache)

@@ -40,7 +40,7 @@ from specdec_core.models.quant import (
     cache_file,
     quantize_model,
 )
-from specdec_core.models.runner import BatchCache, ModelRunner
+from specdec_core.models.runner import ModelRunner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -424,7 +424,7 @@ def bench_decode(model: str, variants: list[Variant], rounds: int, max_tokens: i
 @torch.no_grad()
 def held_out_logits(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits [len, V] for `ids`, fed `chunk` tokens per forward against the cache."""
-    cache, parts = BatchCache.empty(runner.device), []
+    cache, parts = runner.new_cache(), []
     for start in range(0, len(ids), chunk):
         logits, _ = runner.forward(cache, torch.tensor([ids[start : start + chunk]]), commit=True)
         parts.append(logits[0])

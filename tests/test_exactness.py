@@ -1,5 +1,6 @@
 """The proof: speculative sampling through the real Engine is distributed exactly as sampling the target,
-under both rules for sampled rows (the Gumbel rule, draws keyed by position; rejection sampling).
+under both rules for sampled rows (the Gumbel rule, draws keyed by position; rejection sampling), on the
+eager step and on the compiled static one.
 
 A tiny random target over a 12-token vocabulary makes the target's own
 distribution of the first three generated tokens computable exactly (one
@@ -29,6 +30,7 @@ from specdec_core.control import Controller
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter, lookup
 from specdec_core.engine import Engine
+from specdec_core.models.static_runner import StaticRunner
 from specdec_core.sampling import PositionNoise, SamplingParams, make_generator, sample, to_probs
 from specdec_core.sequence import Sequence
 from specdec_core.verify import accept_chains_sampled
@@ -166,9 +168,18 @@ def pvalues(tokens: np.ndarray, want: Exact) -> dict[str, float]:
     }
 
 
+@pytest.fixture(scope="module")
+def compiled(target, draft) -> tuple[StaticRunner, StaticRunner]:
+    """The target and the draft on the compiled static step (model.step: compiled)."""
+    return StaticRunner.of(target, compiled=True), StaticRunner.of(draft, compiled=True)
+
+
+@pytest.mark.parametrize("step", ["eager", "compiled"])
 @pytest.mark.parametrize("rule", engine_module.SAMPLING_RULES)
 @pytest.mark.parametrize("drafter, setting", CASES)
-def test_speculative_sampling_is_distributed_as_the_target(target, draft, drafter, setting, rule):
+def test_speculative_sampling_is_distributed_as_the_target(target, draft, compiled, drafter, setting, rule, step):
+    if step == "compiled":
+        target, draft = compiled
     prompt, params = PROMPTS[drafter], PARAMS[setting]
     tokens, seqs = generate(target, make_drafter(drafter, draft), prompt, params, ROWS, rule)
     drafted = sum(seq.stats.draft_tokens for seq in seqs)

@@ -1,6 +1,7 @@
 """Speculation is invisible: over a quantized target (int4 weights, bf16 activations, so its passes are
 row-invariant), every drafter returns plain decoding's text token for token, greedy and seeded at 0.7, for
-rows that join mid-run, and a request returns the same text alone as in a batch of others."""
+rows that join mid-run, and a request returns the same text alone as in a batch of others; on the compiled
+static step too."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from specdec_core.models import attention
 from specdec_core.models.eagle_net import EagleNet
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.runner import ModelRunner
+from specdec_core.models.static_runner import StaticRunner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_tools.bench.prompts import load_prompts
@@ -104,6 +106,24 @@ def test_speculative_text_is_plain_decodings(target, plain, drafter, setting, ga
     assert run(target, DRAFTERS[drafter](target), seqs, gamma) == plain[setting]
     drafted = sum(seq.stats.draft_tokens for seq in seqs)
     assert drafted > 0, "nothing was drafted: the comparison says nothing"
+
+
+# Every drafter but those that draft in the target's slot cache (layer skip and its distilled student).
+STATIC_DRAFTERS = [name for name in DRAFTERS if name not in ("layer-skip", "distilled")]
+
+
+@pytest.fixture(scope="module")
+def compiled_target(target) -> StaticRunner:
+    return StaticRunner.of(target, compiled=True)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafter", [None, *STATIC_DRAFTERS])
+def test_the_compiled_step_returns_the_eager_steps_text(compiled_target, plain, drafter, setting):
+    """model.step compiled: plainly and with every drafter it takes, the eager step's plain text."""
+    seqs = sequences(compiled_target, setting)
+    assert run(compiled_target, DRAFTERS[drafter](compiled_target) if drafter else None, seqs, None) == plain[setting]
+    assert drafter is None or sum(seq.stats.draft_tokens for seq in seqs) > 0
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

@@ -1,4 +1,6 @@
-"""The model runner's batch cache: every cached forward equals one full forward over the same tokens (fp32)."""
+"""The model runners and their caches: every cached forward equals one full forward over the same tokens (fp32),
+on each step: transformers' forward over the slot cache (eager), ours over the static cache (static), that
+compiled (compiled), and ours with passes padded as CUDA graphs take them (padded)."""
 
 import random
 
@@ -6,6 +8,8 @@ import pytest
 import torch
 
 from specdec_core.models.runner import BatchCache, ModelRunner
+from specdec_core.models.static_cache import BLOCK
+from specdec_core.models.static_runner import StaticRunner
 
 from .helpers import full_logits, tiny_runner
 from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
@@ -14,9 +18,26 @@ VOCAB = 64
 EMITTED = 9  # a token emitted after a verify step: the next step feeds it first
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+STEPS = {
+    "eager": lambda runner: runner,
+    "static": lambda runner: StaticRunner.of(runner, compiled=False),
+    "compiled": lambda runner: StaticRunner.of(runner, compiled=True),
+    "padded": lambda runner: StaticRunner.of(runner, compiled=False, pad=True),
+}
+
+
+@pytest.fixture(scope="module", params=[(f, s) for f in ("llama", "qwen2") for s in STEPS], ids="-".join)
 def runner(request) -> ModelRunner:
-    return tiny_runner(vocab=VOCAB, family=request.param)
+    family, step = request.param
+    return STEPS[step](tiny_runner(vocab=VOCAB, family=family))
+
+
+@pytest.fixture
+def slot_runner(runner) -> ModelRunner:
+    """The runner, for tests of the slot cache's own bookkeeping (the eager step's)."""
+    if isinstance(runner, StaticRunner):
+        pytest.skip("a slot-cache test: the static cache has no slots to compact or check")
+    return runner
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -42,7 +63,7 @@ def step(runner: ModelRunner, cache: BatchCache, rows: list[list[int]], keep: li
 
 def batch(runner: ModelRunner, prompts: list[list[int]]) -> BatchCache:
     """A batch cache holding prompt[:-1] of each row, built as the engine does: prefill, then append."""
-    cache = BatchCache.empty(runner.device)
+    cache = runner.new_cache()
     for prompt in prompts:
         row, logits, _ = runner.prefill(prompt[:-1], all_logits=True)
         if len(prompt) > 1:
@@ -130,7 +151,8 @@ def test_ragged_batch_with_rollbacks(runner):
         assert cache.lengths.tolist() == [len(ctx) - 1 for ctx in contexts]
 
 
-def test_keep_rows_and_compact(runner):
+def test_keep_rows_and_compact(slot_runner):
+    runner = slot_runner
     prompts = [tokens(n, seed=30 + n) for n in (4, 9, 6)]
     cache = batch(runner, prompts)
     # A three-token step keeping one token per row leaves two slots nobody uses.
@@ -147,7 +169,8 @@ def test_keep_rows_and_compact(runner):
     assert cache.batch_size == 0 and cache.slots == 0
 
 
-def test_compact_keeps_results_and_drops_dead_slots(runner):
+def test_compact_keeps_results_and_drops_dead_slots(slot_runner):
+    runner = slot_runner
     prompt = tokens(4, seed=50)
     cache, _, _ = runner.prefill(prompt[:-1])
     context = list(prompt)
@@ -197,7 +220,8 @@ def test_drop_last(runner):
         assert_matches_full(runner, logits[i], context)
 
 
-def test_drop_last_refuses_slots_that_are_not_valid(runner):
+def test_drop_last_refuses_slots_that_are_not_valid(slot_runner):
+    runner = slot_runner
     cache = batch(runner, [tokens(4, seed=95), tokens(4, seed=96)])
     step(runner, cache, [[1, 2], [3, 4]], keep=[2, 1])
     with pytest.raises(RuntimeError, match="row 1"):
@@ -213,6 +237,25 @@ def test_hidden_states(runner):
     assert len(hidden) == len(full) == runner.num_layers + 1
     for mine, theirs in zip(hidden, full):
         torch.testing.assert_close(mine[0], theirs[0, 6:], rtol=1e-5, atol=1e-5)
+
+
+def test_keep_rows_repeats_and_reorders_rows(runner):
+    prompts = [tokens(n, seed=120 + n) for n in (4, 9)]
+    cache = batch(runner, prompts)
+    cache.keep_rows([1, 0, 1])  # as the exactness tests copy one row into thousands
+    rows = [prompts[1], prompts[0], prompts[1]]
+    logits = step(runner, cache, [r[-1:] + [7] for r in rows])
+    for i, row in enumerate(rows):
+        assert_matches_full(runner, logits[i], row + [7])
+
+
+def test_a_row_longer_than_the_capacity(runner):
+    """The static cache grows past a block, keeping what it held; the slot cache just appends."""
+    seq = tokens(BLOCK + 12, seed=130)
+    cache, _, _ = runner.prefill(seq[: BLOCK - 2])
+    logits, _ = runner.forward(cache, torch.tensor([seq[BLOCK - 2 :]]), commit=True)
+    assert_matches_full(runner, logits[0], seq)
+    assert cache.slots >= len(seq)
 
 
 def test_batch_size_mismatch_is_refused(runner):

@@ -123,7 +123,7 @@ class DraftModelDrafter(ModelDrafter):
         """`runner`'s output layer must already be cut to `vocab` when one is given (ReducedVocab.reduce_output)."""
         super().__init__(target_vocab, vocab, early_exit)
         self.runner = runner
-        self.cache = BatchCache.empty(runner.device)
+        self.cache = runner.new_cache()
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
         row, _, _ = self.runner.prefill(seq.tokens[:-1])

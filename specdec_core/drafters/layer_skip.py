@@ -35,6 +35,7 @@ import torch
 
 from ..models.loading import reducible, target_vocab
 from ..models.runner import BatchCache, ModelRunner
+from ..models.static_runner import StaticRunner, UnsupportedModel
 from ..models.vocab import ReducedVocab
 from ..sequence import Sequence
 from .base import DrafterBuilder, Proposal
@@ -52,6 +53,8 @@ class LayerSkipDrafter(ModelDrafter):
     def __init__(self, target: ModelRunner, k: int, vocab: ReducedVocab | None = None, early_exit: float = 0.0):
         if target.config.model_type not in FAMILIES:
             raise ValueError(f"layer-skip runs {', '.join(FAMILIES)} decoders, not {target.config.model_type}")
+        if isinstance(target, StaticRunner):
+            raise UnsupportedModel("layer-skip drafts in the eager step's slot cache; set model.step: eager")
         if not 1 <= k <= target.num_layers:
             raise ValueError(f"layer-skip k={k}: the target has {target.num_layers} layers; choose 1 <= k <= {target.num_layers}")
         super().__init__(target.vocab_size, vocab, early_exit)

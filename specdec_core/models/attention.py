@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernels import build, cpu_flags
+from .kernels import build, cpu_flags, traceable
 
 IMPLEMENTATION = "specdec"
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -80,7 +80,22 @@ def attention(
     if row_slots is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return extension().attend(query, key, value, row_slots.slots, row_slots.offsets, scaling), None
+    return attend_rows(query, key, value, row_slots.slots, row_slots.offsets, scaling), None
+
+
+def _attend_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    return extension().attend(query, key, value, slots, offsets, scaling)
+
+
+def _attend_rows_shape(query, key, value, slots, offsets, scaling):
+    batch, heads, k, head_dim = query.shape
+    return query.new_empty(batch, k, heads, head_dim)
+
+
+# query [B, H, k, d] against key and value [B, Hkv, S, d] at each row's slots (RowSlots' tensors) -> [B, k, H, d].
+attend_rows = traceable(_attend_rows, _attend_rows_shape)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)

@@ -97,9 +97,7 @@ class EagleNet(nn.Module):
         returns the predicted features [B, k, H]. There must be no pending (tree) slots."""
         batch, k = tokens.shape
         device = cache.device
-        if cache.batch_size == 0:
-            cache.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-            cache.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        cache.reserve(batch, 0)
         causal = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
         mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), causal], dim=2)
         positions = cache.lengths[:, None] + torch.arange(k, device=device)

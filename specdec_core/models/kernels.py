@@ -9,6 +9,7 @@ instead.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -48,3 +49,15 @@ def build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | 
     except (RuntimeError, OSError, ImportError) as error:
         log.warning("kernels: could not build %s (%s); it needs g++ and ninja (`pip install ninja`)", what, error)
         return None
+
+
+def traceable(kernel: Callable, fake: Callable) -> Callable:
+    """`kernel` (a type-annotated call into an extension) as torch.compile can trace it: the custom op
+    specdec::<its name>, with `fake` giving its output's shape. Eager callers call it directly."""
+    op = torch.library.custom_op(f"specdec::{kernel.__name__}", kernel, mutates_args=())
+    op.register_fake(fake)
+
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else kernel(*args)
+
+    return call

@@ -15,6 +15,7 @@ from .catalogue import REGISTRY
 from .paths import model_dir
 from .quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
 from .runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
+from .static_runner import on_step
 from .tiny import is_tiny, tiny_model, tiny_tokenizer
 from .vocab import ReducedVocab, reduced_vocab
 
@@ -41,7 +42,7 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
     # Each output row of the quantized CPU kernels is its own dot products; float GEMMs block by the row count.
     quantized = runner.device.type == "cpu" and not any(isinstance(m, nn.Linear) for m in runner.model.modules())
     runner.row_invariant = quantized and attention.takes(runner.model.config, runner.dtype) and attention.extension() is not None
-    return runner
+    return on_step(runner, model.step)
 
 
 def _load_float_runner(name: str, model: ModelConfig) -> ModelRunner:

@@ -96,6 +96,12 @@ class BatchCache:
     def device(self) -> torch.device:
         return self.valid.device
 
+    def reserve(self, rows: int, slots: int) -> None:
+        """An empty cache takes `rows` rows (a pass's batch); slots are added by the passes themselves."""
+        if self.batch_size == 0 and rows:
+            self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
+            self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+
     def append(self, rows: BatchCache) -> None:
         """Join the rows of `rows` (e.g. a fresh prefill) to this cache, padding slots."""
         if self.batch_size == 0:
@@ -195,6 +201,10 @@ class ModelRunner:
         # kernel built (loading.py sets it).
         self.row_invariant = False
 
+    def new_cache(self) -> BatchCache:
+        """An empty cache of the kind this runner's passes take."""
+        return BatchCache.empty(self.device)
+
     # -- forward -----------------------------------------------------------
 
     @torch.no_grad()
@@ -221,15 +231,8 @@ class ModelRunner:
         would cost vocab x length floats).
         """
         batch, k = input_ids.shape
-        if batch != cache.batch_size and cache.batch_size != 0:
-            raise ValueError(f"batch of {batch} rows against a cache of {cache.batch_size}")
-        if cache.batch_size == 0:
-            cache.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
-            cache.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
-        if tree_mask is None:
-            tree_mask = torch.ones(k, k, dtype=torch.bool, device=self.device).tril().expand(batch, k, k)
-        if depths is None:
-            depths = torch.arange(k, device=self.device).expand(batch, k)
+        tree_mask, depths = self._pass_layout(cache, input_ids, tree_mask, depths)
+        cache.reserve(batch, 0)
         allowed = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), tree_mask], dim=2)
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
@@ -247,6 +250,19 @@ class ModelRunner:
         if commit:
             cache.commit(torch.ones(batch, k, dtype=torch.bool, device=self.device))
         return out.logits.float(), (out.hidden_states if hidden_states else None)
+
+    def _pass_layout(
+        self, cache, input_ids: torch.Tensor, tree_mask: torch.Tensor | None, depths: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass's tree mask and depths (default: causal, 0..k-1), once its batch is known to fit the cache's."""
+        batch, k = input_ids.shape
+        if batch != cache.batch_size and cache.batch_size != 0:
+            raise ValueError(f"batch of {batch} rows against a cache of {cache.batch_size}")
+        if tree_mask is None:
+            tree_mask = torch.ones(k, k, dtype=torch.bool, device=self.device).tril().expand(batch, k, k)
+        if depths is None:
+            depths = torch.arange(k, device=self.device).expand(batch, k)
+        return tree_mask, depths
 
     @torch.no_grad()
     def forward_layers(self, cache: BatchCache, input_ids: torch.Tensor, num_layers: int) -> torch.Tensor:
@@ -287,10 +303,9 @@ class ModelRunner:
     ) -> tuple[BatchCache, torch.Tensor, torch.Tensor | None]:
         """A one-row cache holding `token_ids`; their logits ([len, V] with all_logits, else the last [1, V]);
         with `features`, the final-normed last hidden states [len, H] (what the output layer reads), else None."""
-        cache = BatchCache.empty(self.device)
+        cache = self.new_cache()
         if not token_ids:
-            cache.valid = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
-            cache.lengths = torch.zeros(1, dtype=torch.long, device=self.device)
+            cache.reserve(1, 0)
             hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device) if features else None
             return cache, torch.zeros(0, self.vocab_size, device=self.device), hidden
         ids = torch.tensor([token_ids], device=self.device)

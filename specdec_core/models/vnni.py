@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import build, cpu_flags
+from .kernels import build, cpu_flags, traceable
 
 log = logging.getLogger("specdec")
 
@@ -79,6 +79,7 @@ def amx_missing() -> str | None:
     return reason
 
 
+@torch.compiler.assume_constant_result  # settled once per process: a compiled pass takes it as a constant
 def amx() -> bool:
     """Whether passes of AMX_MIN_ROWS rows or more run on AMX tiles."""
     return amx_missing() is None
@@ -102,9 +103,20 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
     return packed, per_group.permute(1, 3, 0, 2).contiguous()
 
 
-def dequantize_t(packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-    """The weights, transposed: [K, N] bf16."""
+def _vnni_dequantize_t(packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     return extension().vnni_dequantize_t(packed, scale_min)
+
+
+def _vnni_mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, tiles: bool) -> torch.Tensor:
+    return extension().vnni_mm(x, packed, scale_min, tiles)
+
+
+# The weights, transposed: [K, N] bf16.
+dequantize_t = traceable(
+    _vnni_dequantize_t,
+    lambda packed, scale_min: packed.new_empty(packed.shape[1] * GROUP_SIZE, packed.shape[0] * ROWS, dtype=torch.bfloat16),
+)
+_mm = traceable(_vnni_mm, lambda x, packed, scale_min, tiles: x.new_empty(x.shape[0], packed.shape[0] * ROWS))
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
@@ -117,8 +129,8 @@ def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.
         return torch.mm(x, dequantize_t(packed, scale_min).to(x.dtype))
     tiles = rows >= AMX_MIN_ROWS and amx()
     if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads and writes these two
-        return extension().vnni_mm(x.float(), packed, scale_min, tiles).to(x.dtype)
-    return extension().vnni_mm(x, packed, scale_min, tiles)
+        return _mm(x.float(), packed, scale_min, tiles).to(x.dtype)
+    return _mm(x, packed, scale_min, tiles)
 
 
 def group_sums(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, tiles: bool) -> torch.Tensor:

@@ -1,0 +1,226 @@
+"""The static step: our own pass through a Llama-family decoder over a `StaticCache`, compiled where asked.
+
+transformers' forward re-derives masks and positions, grows a cache by concatenation and crosses Python
+for every layer; on a GPU at batch 1 that overhead, not memory, sets the step's time. This pass takes
+the model's own modules (norms, projections, MLPs, rotary embedding, output layer) and does the rest
+itself: rotary positions from each row's length and its tree depths, keys and values written in place
+at each row's next slots, attention over the cache's whole capacity under a mask of the committed slots
+and the pass's tree. Its shapes are set by the batch, the pass length and the capacity alone, so
+`torch.compile` (inductor on CPU; CUDA graphs on GPUs, over passes padded to `PASS_LENGTHS`) traces it
+a few times, not once per token. Passes longer than the compiled ones run it uncompiled, as do the prefills
+of a row-invariant runner (SDPA's; its decode and verify passes take the kernel).
+
+The attention is our row-invariant kernel where the runner's passes are row-invariant (attention.py),
+else SDPA; both are ops torch.compile sees through (custom ops), as are the quantized layers (vnni.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from .attention import attend_rows, row_slots
+from .runner import ModelRunner
+from .static_cache import StaticCache
+
+log = logging.getLogger("specdec")
+
+FAMILIES = ("llama", "qwen2")  # decoders whose layers this pass runs: pre-norm attention then a gated MLP
+STEPS = ("eager", "static", "compiled")
+# Pass lengths a compiled step is padded to on CUDA (one CUDA graph each): decode, then verify passes.
+PASS_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class UnsupportedModel(ValueError):
+    """A model the static step cannot run (not a Llama-family decoder)."""
+
+
+def decoder_pass(
+    model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor | None, attended: torch.Tensor | None,
+    offsets: torch.Tensor | None, hidden_states: bool, last_logits_only: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """One pass of `input_ids` [B, k] at rotary `positions` [B, k], their keys and values written at `slots`
+    [B, k] of each layer's `keys` and `values` [B, Hkv, S, d]. They attend the slots `mask` [B, 1, k, W]
+    (additive, over the first W slots) allows, or, when `attended` and `offsets` are given
+    (attention.RowSlots), those slots row by row on the row-invariant kernel. Returns float32 logits and,
+    with `hidden_states`, transformers' hidden states (each layer's input, then the final-normed output)."""
+    decoder = model.get_decoder()
+    batch, k = input_ids.shape
+    hidden = decoder.embed_tokens(input_ids)
+    rotary = decoder.rotary_emb(hidden, positions)
+    rows = torch.arange(batch, device=input_ids.device)[:, None]
+    states = []
+    for layer, layer_keys, layer_values in zip(decoder.layers, keys, values):
+        states.append(hidden)
+        attention = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (batch, k, -1, attention.head_dim)
+        query = attention.q_proj(x).view(shape).transpose(1, 2)
+        key = attention.k_proj(x).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *rotary)
+        layer_keys[rows, :, slots] = key.transpose(1, 2)
+        layer_values[rows, :, slots] = attention.v_proj(x).view(shape)
+        if attended is None:
+            window = mask.shape[-1]  # the slots SDPA reads: the mask's, a prefix of the capacity
+            out = F.scaled_dot_product_attention(
+                query, layer_keys[:, :, :window], layer_values[:, :, :window], attn_mask=mask, scale=attention.scaling,
+                enable_gqa=True,
+            ).transpose(1, 2)
+        else:
+            out = attend_rows(query, layer_keys, layer_values, attended, offsets, attention.scaling)
+        hidden = hidden + attention.o_proj(out.reshape(batch, k, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = decoder.norm(hidden)
+    logits = model.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
+    return logits, (*states, hidden) if hidden_states else None
+
+
+class StaticRunner(ModelRunner):
+    """A `ModelRunner` whose passes are `decoder_pass` over a `StaticCache`; `compiled` compiles the passes
+    of up to max(PASS_LENGTHS) tokens; `pad` pads those to PASS_LENGTHS (default: when compiled for CUDA)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str = "model", compiled: bool = False, pad: bool | None = None):
+        if model.config.model_type not in FAMILIES:
+            raise UnsupportedModel(f"model.step static/compiled runs {', '.join(FAMILIES)} decoders, not "
+                                   f"{model.config.model_type}; use model.step: eager")
+        if set(getattr(model.config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+            raise UnsupportedModel("model.step static/compiled attends every layer fully: this model has sliding-window "
+                                   "layers; use model.step: eager")
+        super().__init__(model, tokenizer, name)
+        self.compiled = compiled
+        self.padded = compiled and self.device.type == "cuda" if pad is None else pad  # CUDA graphs want few shapes
+        self._pass = functools.partial(decoder_pass, model)
+        if compiled:
+            # Dynamic shapes: one graph for every batch, pass length and capacity (past 0/1 specializations).
+            # CUDA graphs replay fixed shapes, so there the passes are padded and each shape is recorded once.
+            # emulate_precision_casts: inductor rounds to bf16 wherever eager does, not once per fused chain, so
+            # the compiled step computes the eager step's numbers, bit for bit (tests/test_invisible.py).
+            # triton.cudagraphs is mode="reduce-overhead", which torch.compile takes only without options.
+            options = {"emulate_precision_casts": True, "triton.cudagraphs": self.device.type == "cuda"}
+            self._compiled_pass = torch.compile(self._pass, dynamic=True, options=options)
+
+    @classmethod
+    def of(cls, runner: ModelRunner, compiled: bool, pad: bool | None = None) -> StaticRunner:
+        """`runner`'s model, tokenizer and row invariance, on the static step."""
+        static = cls(runner.model, runner.tokenizer, runner.name, compiled, pad)
+        static.row_invariant = runner.row_invariant
+        return static
+
+    def new_cache(self) -> StaticCache:
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return StaticCache.empty(self.num_layers, config.num_key_value_heads, head_dim, self.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: StaticCache,
+        input_ids: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+        hidden_states: bool = False,
+        commit: bool = False,
+        last_logits_only: bool = False,
+        row_invariant: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """ModelRunner.forward's contract, over a StaticCache."""
+        batch, k = input_ids.shape
+        tree_mask, depths = self._pass_layout(cache, input_ids, tree_mask, depths)
+        device = self.device
+        short = k <= PASS_LENGTHS[-1]
+        width = next(n for n in PASS_LENGTHS if n >= k) if short and self.padded else k
+        input_ids, tree_mask, depths = _padded(input_ids.to(device), tree_mask, depths, width)
+        window = (int(cache.lengths.max()) if cache.batch_size else 0) + width
+        cache.reserve(batch, window)
+        allowed = cache.attend_mask(tree_mask)
+        mask = attended = offsets = None
+        if row_invariant:
+            rows = row_slots(allowed)
+            attended, offsets = rows.slots, rows.offsets
+        else:
+            # SDPA reads the slots up to the longest row's new tokens, no further: a one-row prefill then sees
+            # the eager step's very tensors, and computes its numbers. CUDA graphs want the fixed capacity.
+            allowed = allowed if self.padded else allowed[:, :, :window]
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+        # A row-invariant runner compiles its row-invariant passes (decode, verify) only: its prefills take SDPA,
+        # uncompiled, and cost no graphs of their own.
+        compiled = self.compiled and short and row_invariant == self.row_invariant
+        run = self._compiled_pass if compiled else self._pass
+        if compiled and device.type == "cuda":
+            # The pass writes the cache in place: CUDA graphs replay such writes only into static addresses.
+            for tensor in (*cache.keys, *cache.values):
+                torch._dynamo.mark_static_address(tensor)
+        logits, hidden = run(
+            input_ids, cache.lengths[:, None] + depths, cache.write_slots(width), cache.keys, cache.values,
+            mask, attended, offsets, hidden_states, last_logits_only and width == k,  # else padding is last
+        )
+        cache.pending = k
+        if commit:
+            cache.commit(torch.ones(batch, k, dtype=torch.bool, device=device))
+        if width != k:
+            logits = logits[:, k - 1 : k] if last_logits_only else logits[:, :k]
+            hidden = tuple(h[:, :k] for h in hidden) if hidden else hidden
+        return logits, hidden
+
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> None:
+        """Compile the passes serving takes (and on CUDA record their graphs) before a request waits for it: a
+        short prefill, then one-token and several-token passes, at each of `batch_sizes` (with dynamic shapes,
+        batch 1 and 2 cover every batch and pass length; padded, every one of PASS_LENGTHS)."""
+        start = time.perf_counter()
+        log.info("model.step compiled: compiling %s's passes (once per process)", self.name)
+        for batch in batch_sizes:
+            cache = self.new_cache()
+            self.forward(cache, torch.zeros(batch, 2, dtype=torch.long, device=self.device), commit=True)
+            for k in PASS_LENGTHS if self.padded else (1, 2):
+                self.forward(cache, torch.zeros(batch, k, dtype=torch.long, device=self.device), row_invariant=self.row_invariant)
+                cache.commit(torch.zeros(batch, k, dtype=torch.bool, device=self.device))
+        log.info("model.step compiled: %s compiled in %.0f s", self.name, time.perf_counter() - start)
+
+    def forward_layers(self, cache: StaticCache, input_ids: torch.Tensor, num_layers: int) -> torch.Tensor:
+        raise UnsupportedModel("layer-skip drafts in the eager step's slot cache; set model.step: eager")
+
+
+def _padded(
+    input_ids: torch.Tensor, tree_mask: torch.Tensor, depths: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pass padded to `width` tokens: padding attends itself only and sits past the real tokens, so no
+    real token sees it and `commit` never keeps it."""
+    batch, k = input_ids.shape
+    if width == k:
+        return input_ids, tree_mask.to(input_ids.device), depths.to(input_ids.device)
+    pad = width - k
+    device = input_ids.device
+    ids = torch.cat([input_ids, input_ids.new_zeros(batch, pad)], dim=1)
+    mask = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
+    mask[:, :k, :k] = tree_mask
+    mask[:, range(k, width), range(k, width)] = True
+    padding_depths = torch.arange(k, width, device=device).expand(batch, pad)
+    return ids, mask, torch.cat([depths.to(device), padding_depths], dim=1)
+
+
+def on_step(runner: ModelRunner, step: str, warm_batch_sizes: tuple[int, ...] = (1, 2)) -> ModelRunner:
+    """`runner`'s model on the step `step` (STEPS), sharing its weights; a compiled one is warmed up at
+    `warm_batch_sizes`."""
+    if step not in STEPS:
+        raise ValueError(f"model.step {step!r} is not one of {STEPS}")
+    already_static = isinstance(runner, StaticRunner)
+    compiled = step == "compiled"
+    if step == "eager":
+        if not already_static:
+            return runner
+        eager = ModelRunner(runner.model, runner.tokenizer, runner.name)
+        eager.row_invariant = runner.row_invariant
+        return eager
+    if already_static and runner.compiled == compiled:
+        return runner
+    static = StaticRunner.of(runner, compiled)
+    if compiled:
+        static.warm_up(warm_batch_sizes)
+    return static
