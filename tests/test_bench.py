@@ -103,6 +103,9 @@ def test_parse_method_names_and_fixed_gamma():
     assert parse_method(f"{student}:g3").engine == parse_method(student).engine == "distilled:distilled.student=qwen-student"
     assert parse_method("layer-skip:layer_skip.k=8:vocab_size=512:g2") == Method(
         "layer-skip:layer_skip.k=8:vocab_size=512:g2", "layer-skip", 2, "layer_skip.k=8:vocab_size=512")
+    compiled = parse_method("plain:model.step=compiled")  # plain decoding on another step: an engine of its own
+    assert compiled == Method("plain:model.step=compiled", "none", None, "model.step=compiled") and compiled.on_engine
+    assert not parse_method("plain").on_engine and parse_method("suffix:model.step=static").on_engine
     for bad in ("no-such-drafter", "plain:g2", "ngram:g0", "ngram:4", "plain:vocab_size=8", "ngram:g2:max_n=3"):
         with pytest.raises(ValueError):
             parse_method(bad)
@@ -157,7 +160,8 @@ def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = [
         "bench", "--config", "configs/tiny-random.yaml", "--prompts", str(prompts),
-        "--drafters", "plain,ngram,ngram:g2,draft-model,layer-skip:g2,quantized:g2,hybrid:g2", "--baseline", "hf-assisted",
+        "--drafters", "plain,ngram,ngram:g2,draft-model,layer-skip:g2,quantized:g2,hybrid:g2,plain:model.step=compiled,"
+        "ngram:model.step=compiled:g2", "--baseline", "hf-assisted",
         "--max-prompt-tokens", "200", "--max-tokens", "6", "--batch-sizes", "1,2", "--sweep-rows", "2", "--out", str(out),
     ]
     monkeypatch.setattr(sys, "argv", ["specdec", *argv])
@@ -171,7 +175,8 @@ def test_bench_smoke_run_writes_results_report_and_plots(tmp_path, monkeypatch):
     assert header["prompts"]["categories"] == ["code", "chat"] and header["prompts"]["left_out"] == ["long"]
 
     keys = {(r["method"], r["batch_size"], r["category"]) for r in results["records"]}
-    engine_methods = ["plain", "ngram", "ngram:g2", "draft-model", "layer-skip:g2", "quantized:g2", "hybrid:g2"]
+    engine_methods = ["plain", "ngram", "ngram:g2", "draft-model", "layer-skip:g2", "quantized:g2", "hybrid:g2",
+                      "plain:model.step=compiled", "ngram:model.step=compiled:g2"]
     methods = engine_methods + ["hf-assisted", "hf-prompt-lookup"]
     assert {(m, 1, c) for m in methods for c in ("all", "code", "chat")} <= keys
     assert {(m, 2, "all") for m in engine_methods} <= keys

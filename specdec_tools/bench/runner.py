@@ -56,6 +56,11 @@ class Method:
         return self.drafter in (*HF_METHODS, *LLAMA_CPP_METHODS)
 
     @property
+    def on_engine(self) -> bool:
+        """Whether it runs on an engine of its own (plain decoding with settings does: plain:model.step=compiled)."""
+        return self.drafter in ENGINE_DRAFTERS or (self.drafter == "none" and bool(self.settings))
+
+    @property
     def adaptive(self) -> bool:
         return self.drafter in ENGINE_DRAFTERS and self.fixed_gamma is None
 
@@ -67,7 +72,7 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """`plain`, or a drafter (`ngram`, `layer-skip`, ...: adaptive gamma), optionally with settings
-    (`layer-skip:layer_skip.k=8`) and then a fixed gamma (`ngram:g4`)."""
+    (`layer-skip:layer_skip.k=8`, `plain:model.step=compiled`) and then a fixed gamma (`ngram:g4`)."""
     if text in HF_METHODS:
         return Method(text, text)
     text = text.strip()
@@ -81,9 +86,9 @@ def parse_method(text: str) -> Method:
             "speculation settings and then a fixed gamma, as in ngram:g4 or layer-skip:layer_skip.k=8:g3"
         )
     if name in (PLAIN, "none"):
-        if gamma is not None or parts:
-            raise ValueError(f"{text!r}: plain decoding has no gamma or drafter settings")
-        return Method(PLAIN, "none")
+        if gamma is not None or any(not part.startswith("model.") for part in parts):
+            raise ValueError(f"{text!r}: plain decoding has no gamma or drafter settings, only model. ones")
+        return Method(PLAIN if not parts else text, "none", None, ":".join(parts))
     if gamma is not None and gamma < 1:
         raise ValueError(f"{text!r}: a fixed gamma must be at least 1 (plain is gamma 0)")
     return Method(text, name, gamma, ":".join(parts))
@@ -174,7 +179,7 @@ class Bench:
         self.engines: dict[str, Engine] = {PLAIN: build_engine(config, drafter="none")}  # by method label
         built: dict[str, Engine] = {}  # by engine spec: methods that differ only in gamma share one
         for method in methods:
-            if method.drafter not in ENGINE_DRAFTERS:
+            if not method.on_engine:
                 continue
             engine = built.get(method.engine)
             if engine is None or _remembers(engine):  # a memory of earlier requests is one method's own
@@ -193,7 +198,7 @@ class Bench:
                 max_speculative_batch=spec.max_speculative_batch if m.adaptive else 1 << 30,
             )
             for m in methods
-            if m.drafter in ENGINE_DRAFTERS
+            if m.on_engine
         }
         self._ids: dict[str, list[int]] = {}
 
