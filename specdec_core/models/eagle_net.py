@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .artifacts import EAGLE, load_artifact, save_artifact
-from .runner import BatchCache
+from .runner import BatchCache, additive_mask
 from .vocab import ReducedVocab
 
 
@@ -81,11 +81,9 @@ class EagleNet(nn.Module):
         [B, k]; `mask` [B, k, past + k] (bool: query attends key) covers `kv`'s slots then the new pairs,
         whose keys and values are appended to `kv` (a DynamicCache) when one is given."""
         hidden = self.fc(torch.cat([features.to(self.fc.weight.dtype), self.embed(tokens)], dim=-1))
-        additive = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
-        additive.masked_fill_(~mask, torch.finfo(hidden.dtype).min)
         rotary = self.rotary(hidden, positions)
         return self.layer(
-            hidden, attention_mask=additive[:, None], position_ids=positions, cache=kv,
+            hidden, attention_mask=additive_mask(mask, hidden.dtype)[:, None], position_ids=positions, cache=kv,
             use_cache=kv is not None, position_embeddings=rotary,
         )
 

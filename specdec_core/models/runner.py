@@ -53,6 +53,11 @@ def set_threads(threads: int | None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`allowed` (bool, query attends key) as the additive mask attention takes: 0 where allowed, else dtype's min."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def _layers(kv: DynamicCache):
     return [layer for layer in kv.layers if layer.is_initialized]
 
@@ -201,6 +206,13 @@ class ModelRunner:
         # kernel built (loading.py sets it).
         self.row_invariant = False
 
+    @classmethod
+    def of(cls, runner: ModelRunner, **options) -> ModelRunner:
+        """`runner`'s model, tokenizer and row invariance, on this class's passes (`options`: its own)."""
+        made = cls(runner.model, runner.tokenizer, runner.name, **options)
+        made.row_invariant = runner.row_invariant
+        return made
+
     def new_cache(self) -> BatchCache:
         """An empty cache of the kind this runner's passes take."""
         return BatchCache.empty(self.device)
@@ -234,11 +246,9 @@ class ModelRunner:
         tree_mask, depths = self._pass_layout(cache, input_ids, tree_mask, depths)
         cache.reserve(batch, 0)
         allowed = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), tree_mask], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=mask[:, None],
+            attention_mask=additive_mask(allowed, self.dtype)[:, None],
             position_ids=cache.lengths[:, None] + depths,
             cache=cache.kv,
             use_cache=True,
@@ -287,7 +297,7 @@ class ModelRunner:
             ],
             dim=2,
         )
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = additive_mask(allowed, self.dtype)
         position_ids = cache.lengths[:, None] + pending + torch.arange(k, device=self.device)
         hidden = decoder.embed_tokens(input_ids.to(self.device))
         rotary = decoder.rotary_emb(hidden, position_ids)

@@ -133,9 +133,3 @@ class StaticCache:
     def drop_last(self, counts: list[int]) -> None:
         """Roll back the last counts[i] committed tokens of row i."""
         self.lengths = self.lengths - torch.tensor(counts, dtype=torch.long, device=self.device)
-
-    def compact(self, min_waste: float = 0.25) -> None:
-        """Nothing to do: a rolled-back token leaves no hole."""
-
-    def drop_pending(self) -> None:
-        """Nothing to do: a pass's tokens lie past the rows' lengths until committed."""

@@ -4,8 +4,8 @@ transformers' forward re-derives masks and positions, grows a cache by concatena
 for every layer; on a GPU at batch 1 that overhead, not memory, sets the step's time. This pass takes
 the model's own modules (norms, projections, MLPs, rotary embedding, output layer) and does the rest
 itself: rotary positions from each row's length and its tree depths, keys and values written in place
-at each row's next slots, attention over the cache's whole capacity under a mask of the committed slots
-and the pass's tree. Its shapes are set by the batch, the pass length and the capacity alone, so
+at each row's next slots, attention over the committed slots and the pass's tree (SDPA reads the slots
+up to the longest row's end; CUDA graphs, the whole capacity). Its shapes are set by the batch, the pass length and the capacity alone, so
 `torch.compile` (inductor on CPU; CUDA graphs on GPUs, over passes padded to `PASS_LENGTHS`) traces it
 a few times, not once per token. Passes longer than the compiled ones run it uncompiled, as do the prefills
 of a row-invariant runner (SDPA's; its decode and verify passes take the kernel).
@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .attention import attend_rows, row_slots
-from .runner import ModelRunner
+from .runner import ModelRunner, additive_mask
 from .static_cache import StaticCache
 
 log = logging.getLogger("specdec")
@@ -107,13 +107,6 @@ class StaticRunner(ModelRunner):
             options = {"emulate_precision_casts": True, "triton.cudagraphs": self.device.type == "cuda"}
             self._compiled_pass = torch.compile(self._pass, dynamic=True, options=options)
 
-    @classmethod
-    def of(cls, runner: ModelRunner, compiled: bool, pad: bool | None = None) -> StaticRunner:
-        """`runner`'s model, tokenizer and row invariance, on the static step."""
-        static = cls(runner.model, runner.tokenizer, runner.name, compiled, pad)
-        static.row_invariant = runner.row_invariant
-        return static
-
     def new_cache(self) -> StaticCache:
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -149,7 +142,7 @@ class StaticRunner(ModelRunner):
             # SDPA reads the slots up to the longest row's new tokens, no further: a one-row prefill then sees
             # the eager step's very tensors, and computes its numbers. CUDA graphs want the fixed capacity.
             allowed = allowed if self.padded else allowed[:, :, :window]
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+            mask = additive_mask(allowed, self.dtype)[:, None]
         # A row-invariant runner compiles its row-invariant passes (decode, verify) only: its prefills take SDPA,
         # uncompiled, and cost no graphs of their own.
         compiled = self.compiled and short and row_invariant == self.row_invariant
@@ -214,14 +207,10 @@ def on_step(runner: ModelRunner, step: str, warm_batch_sizes: tuple[int, ...] = 
     already_static = isinstance(runner, StaticRunner)
     compiled = step == "compiled"
     if step == "eager":
-        if not already_static:
-            return runner
-        eager = ModelRunner(runner.model, runner.tokenizer, runner.name)
-        eager.row_invariant = runner.row_invariant
-        return eager
+        return ModelRunner.of(runner) if already_static else runner
     if already_static and runner.compiled == compiled:
         return runner
-    static = StaticRunner.of(runner, compiled)
+    static = StaticRunner.of(runner, compiled=compiled)
     if compiled:
         static.warm_up(warm_batch_sizes)
     return static
