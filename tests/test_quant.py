@@ -110,6 +110,35 @@ def test_vnni_rows_do_not_depend_on_the_pass(precision: str):
         assert torch.equal(layer(x[rows]), together[rows])
 
 
+@needs_vnni
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("precision", quant.QUANTIZED)
+def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, bias: bool):
+    """q, k and v fused into one layer (one activation quantization, one kernel call) give each output row
+    exactly what its own layer gives, at every pass length, and the separate layers then read views of the
+    fused weights (nothing is kept twice) and still give the same."""
+    torch.manual_seed(6)
+    layers = [VnniLinear.from_linear(nn.Linear(256, out, bias=bias, dtype=torch.bfloat16), precision) for out in (128, 32, 32)]
+    x = torch.randn(vnni.DEQUANTIZE_ROWS + 5, 256, dtype=torch.bfloat16)
+    apart = {rows: [layer(x[:rows]) for layer in layers] for rows in (1, 2, 8, 33, vnni.DEQUANTIZE_ROWS - 1, vnni.DEQUANTIZE_ROWS + 5)}
+    fused = quant.fuse(layers)
+    assert fused.out_features == 192 and (fused.bias is not None) == bias
+    for rows, outputs in apart.items():
+        assert torch.equal(fused(x[:rows]), torch.cat(outputs, dim=-1))
+        assert all(torch.equal(layer(x[:rows]), out) for layer, out in zip(layers, outputs))
+    assert all(layer.packed.untyped_storage().data_ptr() == fused.packed.untyped_storage().data_ptr() for layer in layers)
+
+
+def test_layers_that_cannot_be_fused_are_left_alone():
+    torch.manual_seed(7)
+    floats = [nn.Linear(64, 32) for _ in range(2)]
+    assert quant.fuse(floats) is None
+    if vnni.extension() is not None:
+        mixed = [VnniLinear.from_linear(nn.Linear(64, 32), "int4"), VnniLinear.from_linear(nn.Linear(64, 32), "int8")]
+        packed = [layer.packed for layer in mixed]
+        assert quant.fuse(mixed) is None and all(layer.packed is p for layer, p in zip(mixed, packed))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layer_type", [Int4Linear, Int8Linear])
 def test_torchs_cpu_kernels_rows_do_not_depend_on_the_pass(layer_type, dtype):
@@ -124,7 +153,7 @@ def test_torchs_cpu_kernels_rows_do_not_depend_on_the_pass(layer_type, dtype):
         assert torch.equal(layer(x[:rows]), alone[:rows])
 
 
-needs_amx = pytest.mark.skipif(not vnni.amx(), reason=f"no AMX path here: {vnni.amx_missing()}")
+needs_amx = pytest.mark.skipif(vnni.amx_missing() is not None, reason=f"no AMX tiles here: {vnni.amx_missing()}")
 AMX_ROWS = [2, 3, 8, 15, 16, 17, 31, 48, 64]
 
 
@@ -191,35 +220,50 @@ class PathSpy:
         return self.kernel.vnni_mm(x, packed, scale_min, tiles)
 
 
+@pytest.fixture
+def isa_chosen_anew():
+    """vnni's path chosen again from this test's environment and CPU, and again after it, from this machine's."""
+    vnni.amx_missing.cache_clear()
+    vnni._tiles_chosen.cache_clear()
+    yield
+    vnni.amx_missing.cache_clear()
+    vnni._tiles_chosen.cache_clear()
+
+
 @needs_vnni
-@pytest.mark.parametrize("cause", ["environment", "no cpu flags", "permission refused"])
-def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatch, caplog):
+@pytest.mark.parametrize("cause", ["default", "no cpu flags", "permission refused"])
+def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatch, caplog, isa_chosen_anew):
     spy = PathSpy(vnni.extension())
     monkeypatch.setattr(vnni, "extension", lambda: spy)
     monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS) | set(vnni.AMX_FLAGS))
-    if cause == "environment":
-        monkeypatch.setenv(vnni.AMX_ENV, "0")
-    elif cause == "no cpu flags":
-        monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS))
+    if cause == "default":
+        monkeypatch.delenv(vnni.ISA_ENV, raising=False)
     else:
+        monkeypatch.setenv(vnni.ISA_ENV, "amx")
+    if cause == "no cpu flags":
+        monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS))
+    elif cause == "permission refused":
         monkeypatch.setattr(spy, "amx_enable", lambda: False, raising=False)
-    vnni.amx_missing.cache_clear()
-    try:
-        with caplog.at_level(logging.INFO, logger="specdec"):
-            assert not vnni.amx()
-        layer = packed_layer("int4", 32, 64, seed=7)
-        x = torch.randn(6, 64)
-        together = layer(x)
-        assert spy.tiles == [False]
-        assert torch.equal(layer(x[2:3]), together[2:3])
-        reason = {"environment": "SPECDEC_AMX=0", "no cpu flags": "lacks amx_tile, amx_int8", "permission refused": "refused"}[cause]
-        assert reason in caplog.text and "on AVX-512 VNNI" in caplog.text
-    finally:  # the next call, after monkeypatch's undoing, sees this machine again
-        vnni.amx_missing.cache_clear()
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert not vnni.amx()
+    layer = packed_layer("int4", 32, 64, seed=7)
+    x = torch.randn(6, 64)
+    together = layer(x)
+    assert spy.tiles == [False]
+    assert torch.equal(layer(x[2:3]), together[2:3])
+    reason = {"default": "SPECDEC_ISA=avx512", "no cpu flags": "lacks amx_tile, amx_int8", "permission refused": "refused"}[cause]
+    assert reason in caplog.text and "on AVX-512 VNNI" in caplog.text
+
+
+def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch, isa_chosen_anew):
+    monkeypatch.setenv(vnni.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="avx512, amx"):
+        vnni.isa()
 
 
 @needs_amx
-def test_amx_takes_passes_from_amx_min_rows(monkeypatch):
+def test_amx_takes_passes_from_amx_min_rows(monkeypatch, isa_chosen_anew):
+    monkeypatch.setenv(vnni.ISA_ENV, "amx")
     spy = PathSpy(vnni.extension())
     monkeypatch.setattr(vnni, "extension", lambda: spy)
     layer = packed_layer("int8", 32, 64, seed=8)

@@ -73,7 +73,7 @@ bool request_tiles() {
 
 namespace {
 
-constexpr int64_t kRows = 16, kGroup = 32, kTokens = 4, kAhead = 8;  // kTokens: activation rows per register tile
+constexpr int64_t kRows = 16, kGroup = 32, kTokens = 8, kAhead = 8;  // kTokens: activation rows per register block
 
 // 16 floats to bf16, rounding to nearest even (plain AVX-512F, so no bf16 instructions needed).
 __m256i to_bf16(__m512 values) {
@@ -169,10 +169,14 @@ struct Sums {
 __m512 group_scale(const uint16_t* sm) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm))); }
 __m512 group_min(const uint16_t* sm) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16))); }
 
-// VNNI: `tokens` (<= kTokens) activation rows starting at t0, one block of 16 rows.
+// VNNI: `tokens` (<= kTokens) activation rows starting at t0, one block of 16 rows. A group's operands are
+// unpacked once for all `tokens` rows, and every row's sums are in flight at once.
 template <int bits, int tokens, typename Epilogue>
 void block(const uint8_t* packed, const uint16_t* scale_min, const int8_t* codes, int64_t k, int64_t t0, int64_t nb,
            const Epilogue& epilogue) {
+  // Independent vpdpbusd chains per row: a single chain of eight dependent ones would wait on latency, so a
+  // pass of few rows splits each row's eight into several chains (integer sums: the split changes nothing).
+  constexpr int chains = tokens >= 4 ? 1 : 4 / tokens;
   const int64_t groups = k / kGroup, group_bytes = 8 * bits * 64 / 8;
   __m512 acc[tokens];
   for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
@@ -182,35 +186,41 @@ void block(const uint8_t* packed, const uint16_t* scale_min, const int8_t* codes
     prefetch_group<bits>(w, sm);
     __m512i op[8];
     operands<bits>(w, op);
+    __m512i dot[tokens][chains];
+    for (int t = 0; t < tokens; ++t)
+      for (int c = 0; c < chains; ++c) dot[t][c] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      for (int t = 0; t < tokens; ++t) {
+        int32_t four;
+        std::memcpy(&four, codes + (t0 + t) * k + g * kGroup + 4 * i, 4);
+        dot[t][i % chains] = _mm512_dpbusd_epi32(dot[t][i % chains], op[i], _mm512_set1_epi32(four));
+      }
+    }
     const __m512 scale = group_scale(sm), min = group_min(sm);
     for (int t = 0; t < tokens; ++t) {
-      const int8_t* x = codes + (t0 + t) * k + g * kGroup;
-      // Four independent sums: a single chain of eight dependent vpdpbusd would wait on latency.
-      __m512i dot[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int i = 0; i < 8; ++i) {
-        int32_t four;
-        std::memcpy(&four, x + 4 * i, 4);
-        dot[i % 4] = _mm512_dpbusd_epi32(dot[i % 4], op[i], _mm512_set1_epi32(four));
-      }
-      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[1]), _mm512_add_epi32(dot[2], dot[3]));
+      __m512i sum = dot[t][0];
+      for (int c = 1; c < chains; ++c) sum = _mm512_add_epi32(sum, dot[t][c]);
       epilogue.add(acc[t], sum, scale, min, t0 + t, g, nb);
     }
   }
   for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, nb);
 }
 
+// block with `count` (1..kTokens) rows as its compile-time `tokens`.
+template <int bits, typename Epilogue, int tokens = kTokens>
+void block_of(int64_t count, const uint8_t* w, const uint16_t* sm, const int8_t* codes, int64_t k, int64_t t0, int64_t nb,
+              const Epilogue& e) {
+  if constexpr (tokens > 1) {
+    if (count < tokens) return block_of<bits, Epilogue, tokens - 1>(count, w, sm, codes, k, t0, nb, e);
+  }
+  block<bits, tokens>(w, sm, codes, k, t0, nb, e);
+}
+
 template <int bits, typename Epilogue>
 void vnni_pass(const int8_t* codes, int64_t m, int64_t k, int64_t n, const uint8_t* w, const uint16_t* sm, const Epilogue& e) {
   at::parallel_for(0, n / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
-      int64_t t0 = 0;
-      for (; t0 + kTokens <= m; t0 += kTokens) block<bits, kTokens>(w, sm, codes, k, t0, nb, e);
-      switch (m - t0) {
-        case 3: block<bits, 3>(w, sm, codes, k, t0, nb, e); break;
-        case 2: block<bits, 2>(w, sm, codes, k, t0, nb, e); break;
-        case 1: block<bits, 1>(w, sm, codes, k, t0, nb, e); break;
-        default: break;
-      }
+      for (int64_t t0 = 0; t0 < m; t0 += kTokens) block_of<bits>(std::min(kTokens, m - t0), w, sm, codes, k, t0, nb, e);
     }
   });
 }

@@ -4,9 +4,9 @@ on AVX-512 VNNI, and on AMX-INT8 tiles for passes of several rows.
 torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
 in floats too; this one multiplies integer codes, as llama.cpp does: a one-token pass with
 `vpdpbusd`, a pass of AMX_MIN_ROWS to DEQUANTIZE_ROWS - 1 rows (verification, short prefills) with
-`tdpbsud` on AMX tiles where the CPU has them, which leaves a quarter of VNNI's per-row instructions
-(the float epilogue; a VNNI pass of 6 rows costs about twice one row's; docs/QUANT.md has the
-per-layer costs, and says what of the AMX path is still unmeasured). Both paths compute bit-identical results, so a row's result never depends on the pass.
+`tdpbsud` on AMX tiles where SPECDEC_ISA=amx asks for them (measured slower than VNNI on a Xeon with AMX,
+so off by default; docs/QUANT.md has the per-layer costs). Both paths compute bit-identical results, so a
+row's result never depends on the pass.
 Weights are group-wise, w = q * scale + min per 32 inputs. It is compiled once per machine with
 torch's extension builder (g++ and ninja; about a minute) and used where the CPU has the
 instructions; elsewhere `quant.Int4Linear` / `quant.Int8Linear` keep torch's kernels.
@@ -29,15 +29,20 @@ GROUP_SIZE = 32  # inputs per scale and min; fixed by the kernel
 ROWS = 16  # output rows per block: one AVX-512 register of int32 sums
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 AMX_FLAGS = ("amx_tile", "amx_int8")
-# SPECDEC_AMX=0 keeps every pass on VNNI (the fallback, for comparisons and for tests).
-AMX_ENV = "SPECDEC_AMX"
+# SPECDEC_ISA forces the path of the integer passes: "avx512" (every pass on VNNI's vpdpbusd) or "amx" (passes
+# of AMX_MIN_ROWS rows or more on AMX-INT8 tiles, where the CPU has them). The default is avx512 on every CPU:
+# on a Xeon with AMX (2 threads) the tiles lost to VNNI at every pass of 2 to 512 rows, at 8 rows 1.3-1.9x
+# its time (docs/QUANT.md, "AMX, measured"), because each group of 32 inputs ends in a float epilogue.
+ISA_ENV = "SPECDEC_ISA"
+ISAS = ("avx512", "amx")
+DEFAULT_ISA = "avx512"
 COMPILE_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
 # From this many rows (a long prompt's prefill) dequantizing the weights to bf16 and multiplying on
 # the CPU's matrix units beats the VNNI dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
-# against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). Not yet measured against the AMX path.
+# against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). On a Xeon with AMX, VNNI with 8 rows per
+# register block: 12.8 ms against 17.4 at 128 rows, level at 256, 51 against 26 at 512; AMX tiles no faster.
 DEQUANTIZE_ROWS = 128
-# From this many rows a pass runs on AMX tiles where it can (one-token decode stays on VNNI); not
-# yet measured: VNNI may still win at 2-3 rows (docs/QUANT.md).
+# With SPECDEC_ISA=amx, from this many rows a pass runs on AMX tiles (one-token decode stays on VNNI).
 AMX_MIN_ROWS = 2
 SOURCE = Path(__file__).with_name("vnni.cpp")
 
@@ -58,31 +63,43 @@ def extension():
     return kernel
 
 
+def isa() -> str:
+    """The kernel path SPECDEC_ISA asks for (ISAS), DEFAULT_ISA when unset."""
+    chosen = os.environ.get(ISA_ENV, DEFAULT_ISA)
+    if chosen not in ISAS:
+        raise ValueError(f"{ISA_ENV}={chosen!r} is not one of {', '.join(ISAS)}")
+    return chosen
+
+
 @functools.cache
 def amx_missing() -> str | None:
-    """Why passes of AMX_MIN_ROWS rows or more cannot run on AMX tiles here, or None where they do: the
-    CPU has AMX-INT8, Linux grants the tile state, and SPECDEC_AMX is not 0. Logged once."""
+    """Why AMX tiles cannot run here, or None where they can: the CPU has AMX-INT8 and Linux grants the tile state."""
     if extension() is None:
         return "no VNNI kernel"
     missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
-    if os.environ.get(AMX_ENV, "1") == "0":
-        reason = f"{AMX_ENV}=0"
-    elif missing:
-        reason = f"this CPU lacks {', '.join(missing)}"
-    elif not extension().amx_enable():
-        reason = "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    else:
-        log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles, one-token passes on AVX-512 VNNI",
-                 AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1)
-        return None
-    log.info("quantize: no AMX (%s); passes below %d rows on AVX-512 VNNI", reason, DEQUANTIZE_ROWS)
-    return reason
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if not extension().amx_enable():
+        return "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
+
+
+@functools.cache
+def _tiles_chosen() -> bool:
+    """Whether passes of AMX_MIN_ROWS rows or more run on AMX tiles: SPECDEC_ISA=amx where they can run. Logged once."""
+    if isa() == "amx" and amx_missing() is None:
+        log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s=amx), one-token passes on AVX-512 VNNI",
+                 AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, ISA_ENV)
+        return True
+    reason = f"{ISA_ENV}={isa()}" if isa() != "amx" else f"{ISA_ENV}=amx, but {amx_missing()}"
+    log.info("quantize: passes below %d rows on AVX-512 VNNI (%s)", DEQUANTIZE_ROWS, reason)
+    return False
 
 
 @torch.compiler.assume_constant_result  # settled once per process: a compiled pass takes it as a constant
 def amx() -> bool:
     """Whether passes of AMX_MIN_ROWS rows or more run on AMX tiles."""
-    return amx_missing() is None
+    return _tiles_chosen()
 
 
 def supports(out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
