@@ -160,3 +160,19 @@ def test_negative_control_sdpa_over_the_whole_capacity_changes_the_text(smollm2_
     """The first static step's prefills attended the whole capacity under the mask (as CUDA graphs still do):
     on these weights that alone parts it from the eager step's text, so the test above can fail."""
     assert greedy_texts(StaticRunner.of(smollm2_int4, compiled=False, pad=True)) != greedy_texts(smollm2_int4)
+
+
+def test_the_step_profile_accounts_for_every_part_of_the_pass(tmp_path):
+    """step_profile splits a static pass into its layers' parts and the time no op covers, and the parts add up
+    to the profiled pass."""
+    from specdec_tools import step_profile
+
+    out = tmp_path / "profile.json"
+    step_profile.main(["--config", "configs/tiny-random.yaml", "--lengths", "1,4", "--context", "16", "--reps", "2",
+                       "--out", str(out)])
+    result = json.loads(out.read_text())
+    for k in ("1", "4"):
+        passes = result["passes"][k]
+        assert {"q_proj", "down_proj", "input_layernorm", step_profile.UNTRACED} <= set(passes["parts_ms"])
+        assert sum(passes["parts_ms"].values()) == pytest.approx(passes["profiled_pass_ms"], rel=1e-6)
+    assert out.with_suffix(".md").read_text().startswith("| part |")

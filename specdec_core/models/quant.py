@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -234,11 +235,13 @@ class VnniLinear(QuantLinear):
     """y = x @ dequant(q).T + bias on our VNNI kernel (vnni.py): w = q * scale + min per 32 inputs with
     int4 or int8 codes q and float16 scales and mins; x rounded to int8 per 32 inputs."""
 
-    def __init__(self, packed: torch.Tensor, scale_min: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, packed: torch.Tensor, scale_min: torch.Tensor, bias: torch.Tensor | None = None,
+                 parts: tuple[int, ...] = ()):
         super().__init__(packed.shape[1] * vnni.GROUP_SIZE, packed.shape[0] * vnni.ROWS, bias)
         self.precision = f"int{packed.shape[2]}"
         self.register_buffer("packed", packed)
         self.register_buffer("scale_min", scale_min)
+        self.parts = parts  # a fused layer's parts, in blocks of vnni.ROWS outputs (`fuse`)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, precision: str) -> VnniLinear:
@@ -252,12 +255,52 @@ class VnniLinear(QuantLinear):
         return cls(*packed, linear.bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts and x.shape[0] >= vnni.DEQUANTIZE_ROWS:
+            # There the product is a bf16 GEMM, whose sums are blocked by the output count: each part's own
+            # product then, as its own layer computes it.
+            weights = zip(self.packed.split(self.parts), self.scale_min.split(self.parts))
+            return torch.cat([vnni.mm(x, packed, scale_min) for packed, scale_min in weights], dim=-1)
         return vnni.mm(x, self.packed, self.scale_min)
 
     @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
         # The kernel's own dequantization: the identity through the kernel would be a full matmul.
         return vnni.dequantize_t(self.packed, self.scale_min).T.to(self.dtype).contiguous()
+
+
+def fuse(layers: list[nn.Module]) -> VnniLinear | None:
+    """One VnniLinear for `layers` that read the same input (q, k and v; gate and up): their outputs side by
+    side, from one activation quantization and one kernel call. Each output row is its own integer dot
+    products with the same float epilogue, so the fused outputs equal the separate ones bit for bit (passes
+    long enough to dequantize multiply each part apart, for the same reason). The layers' own weights become
+    views of the fused ones, so nothing is kept twice. None (nothing changed) unless all are VnniLinear of one
+    precision, with biases on all or on none."""
+    if not all(isinstance(layer, VnniLinear) for layer in layers) or len({layer.precision for layer in layers}) != 1:
+        return None
+    biases = [layer.bias for layer in layers]
+    if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
+        return None
+    fused = VnniLinear(torch.cat([layer.packed for layer in layers]), torch.cat([layer.scale_min for layer in layers]),
+                       None if biases[0] is None else torch.cat(biases), tuple(layer.packed.shape[0] for layer in layers))
+    fused.dtype = layers[0].dtype
+    for layer, packed, scale_min in zip(layers, fused.packed.split(fused.parts), fused.scale_min.split(fused.parts)):
+        layer.packed, layer.scale_min = packed, scale_min
+    return fused
+
+
+_fused: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def fused_projections(model: nn.Module) -> list[tuple[VnniLinear | None, VnniLinear | None]]:
+    """Per decoder layer of a Llama-family model, its fused q/k/v and gate/up projections (`fuse`; None where
+    they cannot be fused), made once per model: every runner over it shares them."""
+    if model not in _fused:
+        _fused[model] = [
+            (fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+             fuse([layer.mlp.gate_proj, layer.mlp.up_proj]))
+            for layer in model.get_decoder().layers
+        ]
+    return _fused[model]
 
 
 def kernel(device: torch.device, group_size: int) -> str:

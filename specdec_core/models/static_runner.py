@@ -21,11 +21,13 @@ import logging
 import time
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .attention import attend_rows, row_slots
+from .quant import fused_projections
 from .runner import ModelRunner, additive_mask
 from .static_cache import StaticCache
 
@@ -42,14 +44,15 @@ class UnsupportedModel(ValueError):
 
 
 def decoder_pass(
-    model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    model: PreTrainedModel, projections: list[tuple[nn.Module | None, nn.Module | None]], input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor | None, attended: torch.Tensor | None,
     offsets: torch.Tensor | None, hidden_states: bool, last_logits_only: bool,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """One pass of `input_ids` [B, k] at rotary `positions` [B, k], their keys and values written at `slots`
     [B, k] of each layer's `keys` and `values` [B, Hkv, S, d]. They attend the slots `mask` [B, 1, k, W]
     (additive, over the first W slots) allows, or, when `attended` and `offsets` are given
-    (attention.RowSlots), those slots row by row on the row-invariant kernel. Returns float32 logits and,
+    (attention.RowSlots), those slots row by row on the row-invariant kernel. `projections` holds each layer's
+    fused q/k/v and gate/up layers (quant.fused_projections), or None for its own separate ones. Returns float32 logits and,
     with `hidden_states`, transformers' hidden states (each layer's input, then the final-normed output)."""
     decoder = model.get_decoder()
     batch, k = input_ids.shape
@@ -57,16 +60,19 @@ def decoder_pass(
     rotary = decoder.rotary_emb(hidden, positions)
     rows = torch.arange(batch, device=input_ids.device)[:, None]
     states = []
-    for layer, layer_keys, layer_values in zip(decoder.layers, keys, values):
+    for layer, (qkv, gate_up), layer_keys, layer_values in zip(decoder.layers, projections, keys, values):
         states.append(hidden)
         attention = layer.self_attn
         x = layer.input_layernorm(hidden)
         shape = (batch, k, -1, attention.head_dim)
-        query = attention.q_proj(x).view(shape).transpose(1, 2)
-        key = attention.k_proj(x).view(shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, *rotary)
+        if qkv is None:
+            query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        else:
+            query, key, value = qkv(x).split(
+                [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features], dim=-1)
+        query, key = apply_rotary_pos_emb(query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2), *rotary)
         layer_keys[rows, :, slots] = key.transpose(1, 2)
-        layer_values[rows, :, slots] = attention.v_proj(x).view(shape)
+        layer_values[rows, :, slots] = value.view(shape)
         if attended is None:
             window = mask.shape[-1]  # the slots SDPA reads: the mask's, a prefix of the capacity
             out = F.scaled_dot_product_attention(
@@ -76,7 +82,13 @@ def decoder_pass(
         else:
             out = attend_rows(query, layer_keys, layer_values, attended, offsets, attention.scaling)
         hidden = hidden + attention.o_proj(out.reshape(batch, k, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        x = layer.post_attention_layernorm(hidden)
+        mlp = layer.mlp
+        if gate_up is None:
+            hidden = hidden + mlp(x)
+        else:
+            gate, up = gate_up(x).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
     hidden = decoder.norm(hidden)
     logits = model.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
     return logits, (*states, hidden) if hidden_states else None
@@ -96,7 +108,7 @@ class StaticRunner(ModelRunner):
         super().__init__(model, tokenizer, name)
         self.compiled = compiled
         self.padded = compiled and self.device.type == "cuda" if pad is None else pad  # CUDA graphs want few shapes
-        self._pass = functools.partial(decoder_pass, model)
+        self._pass = functools.partial(decoder_pass, model, fused_projections(model))
         if compiled:
             # Dynamic shapes: one graph for every batch, pass length and capacity (past 0/1 specializations).
             # CUDA graphs replay fixed shapes, so there the passes are padded and each shape is recorded once.

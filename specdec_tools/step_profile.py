@@ -1,0 +1,161 @@
+"""Where a step's milliseconds go: the target's pass of k tokens over a cache of --context tokens, under
+torch.profiler, split by what runs (each kind of linear layer, the attention kernel, norms, rotary, cache
+writes, the output layer, every other aten op) and what no op accounts for (Python between the ops).
+
+The profiler adds its own cost to every op; the table gives each part's share of the profiled pass beside
+the pass's unprofiled time, measured in the same run, so the parts can be read as milliseconds of it.
+
+    python -m specdec_tools.step_profile --config configs/default.yaml --lengths 1,8,32 --context 256 \\
+        --out docs/benchmarks/qwen2.5-coder-1.5b-int4-step-profile/profile.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from specdec_core.config import Config
+from specdec_core.models import static_runner
+from specdec_core.models.loading import load_runner
+from specdec_core.models.runner import ModelRunner
+
+from . import measurement
+
+PASS = "step_profile.pass"
+UNTRACED = "python (no op)"
+# Module names (the last part of a submodule's path) whose forward is one part of the table.
+MODULE_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+                "input_layernorm", "post_attention_layernorm", "norm", "act_fn", "embed_tokens", "lm_head", "rotary_emb")
+# Functions the static pass calls by name, each one part of the table.
+FUNCTION_PARTS = ("apply_rotary_pos_emb", "attend_rows")
+
+
+@contextlib.contextmanager
+def labelled(runner: ModelRunner) -> Iterator[None]:
+    """Each of MODULE_PARTS' forwards and FUNCTION_PARTS' calls inside a profiler range of its name."""
+    handles = []
+    for path, module in runner.model.named_modules():
+        name = path.rpartition(".")[2]
+        if name not in MODULE_PARTS:
+            continue
+        ranges: list[record_function] = []
+
+        def enter(module, args, name=name, ranges=ranges):
+            ranges.append(record_function(name).__enter__())
+
+        def leave(module, args, output, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    originals = {name: getattr(static_runner, name) for name in FUNCTION_PARTS}
+    for name, function in originals.items():
+        setattr(static_runner, name, _in_range(name, function))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, function in originals.items():
+            setattr(static_runner, name, function)
+
+
+def _in_range(name: str, function: Callable) -> Callable:
+    def call(*args, **kwargs):
+        with record_function(name):
+            return function(*args, **kwargs)
+
+    return call
+
+
+def parts_of(events) -> dict[str, float]:
+    """ms by part, summed over the profiled passes: each pass's direct children by name (a labelled range,
+    or an aten op called outside any), and the pass's time that no child covers."""
+    parts: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.name != PASS:
+            continue
+        covered = 0.0
+        for child in event.cpu_children:
+            parts[child.name] += child.cpu_time_total / 1e3
+            covered += child.cpu_time_total
+        parts[UNTRACED] += (event.cpu_time_total - covered) / 1e3
+    return dict(parts)
+
+
+def profile_lengths(runner: ModelRunner, lengths: list[int], context: int, reps: int) -> dict:
+    """Per pass length: the unprofiled ms per pass (median of `reps`), the profiled one, and each part's ms
+    of the profiled pass (mean over `reps`)."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, runner.vocab_size, (context,), generator=generator).tolist()
+    cache = runner.prefill(prompt)[0]
+    keep_first = {k: torch.tensor([[True] + [False] * (k - 1)]) for k in lengths}
+
+    def one_pass(k: int) -> None:
+        ids = torch.randint(0, runner.vocab_size, (1, k), generator=generator)
+        runner.forward(cache, ids, row_invariant=runner.row_invariant)
+        cache.commit(keep_first[k])  # the context grows by one token per pass, as plain decoding's does
+
+    results = {}
+    for k in lengths:
+        for _ in range(3):
+            one_pass(k)  # warm: allocator, caches
+        plain = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            one_pass(k)
+            plain.append(time.perf_counter() - start)
+        with labelled(runner), profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for _ in range(reps):
+                with record_function(PASS):
+                    one_pass(k)
+        events = profiler.events()
+        profiled = [e.cpu_time_total / 1e3 for e in events if e.name == PASS]
+        parts = {name: ms / reps for name, ms in sorted(parts_of(events).items(), key=lambda item: -item[1])}
+        results[k] = {"pass_ms": 1e3 * statistics.median(plain), "profiled_pass_ms": statistics.mean(profiled),
+                      "parts_ms": parts}
+    return results
+
+
+def table(results: dict) -> str:
+    """A Markdown table: each part's share of the profiled pass, and that share of the unprofiled pass in ms."""
+    lengths = list(results)
+    names = sorted({name for r in results.values() for name in r["parts_ms"]},
+                   key=lambda name: -max(r["parts_ms"].get(name, 0.0) / r["profiled_pass_ms"] for r in results.values()))
+    header = "| part | " + " | ".join(f"k={k}: ms (share)" for k in lengths) + " |"
+    lines = [header, "|---|" + "---|" * len(lengths)]
+    lines.append("| whole pass, unprofiled | " + " | ".join(f"{results[k]['pass_ms']:.2f}" for k in lengths) + " |")
+    for name in names:
+        cells = []
+        for k in lengths:
+            share = results[k]["parts_ms"].get(name, 0.0) / results[k]["profiled_pass_ms"]
+            cells.append(f"{share * results[k]['pass_ms']:.2f} ({100 * share:.1f}%)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = measurement.parser(__doc__, prompts=None)
+    parser.add_argument("--lengths", default="1,8,32", help="comma-separated pass lengths")
+    parser.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    parser.add_argument("--reps", type=int, default=10, help="passes of each length, timed and then profiled")
+    args = parser.parse_args(argv)
+    config = Config.load(args.config)
+    runner = load_runner(config.model.target, config.model)
+    lengths = [int(k) for k in args.lengths.split(",")]
+    results = profile_lengths(runner, lengths, args.context, args.reps)
+    result = {"target": config.model.target, "weights": config.model.weights, "step": config.model.step,
+              "context": args.context, "reps": args.reps, "threads": torch.get_num_threads(), "passes": results,
+              "table": table(results)}
+    measurement.report(result, args.out, __spec__.name, argv)
+    if args.out:
+        args.out.with_suffix(".md").write_text(result["table"] + "\n")
+
+
+if __name__ == "__main__":
+    main()
