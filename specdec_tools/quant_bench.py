@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -148,20 +149,16 @@ def kernel_path(path: str) -> Iterator[None]:
     """Passes of several rows, of any length, on `path`: "amx" (tiles from vnni.AMX_MIN_ROWS rows),
     "vnni" (vpdpbusd) or "dequantize" (bf16 weights, torch's matmul); one-row passes stay on VNNI,
     the baseline of each path. Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
-    saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS, os.environ.get(vnni.ISA_ENV)
+    saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS
     vnni.AMX_MIN_ROWS = saved[0] if path == "amx" else 10**9
     vnni.DEQUANTIZE_ROWS = 2 if path == "dequantize" else 10**9
-    os.environ[vnni.ISA_ENV] = "amx" if path == "amx" else "avx512"
-    vnni._tiles_chosen.cache_clear()
     try:
-        yield
+        with mock.patch.dict(os.environ, {vnni.ISA_ENV: "amx" if path == "amx" else "avx512"}):
+            vnni._tiles_chosen.cache_clear()
+            yield
     finally:
-        vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS = saved[:2]
-        if saved[2] is None:
-            os.environ.pop(vnni.ISA_ENV)
-        else:
-            os.environ[vnni.ISA_ENV] = saved[2]
-        vnni._tiles_chosen.cache_clear()
+        vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS = saved
+        vnni._tiles_chosen.cache_clear()  # chosen again from the environment as it was
 
 
 def kernel_paths(wanted: list[str]) -> list[str]:
