@@ -141,28 +141,31 @@ def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[in
 # -- the cost of a pass of k tokens against one token ---------------------------------------------
 
 
-KERNEL_PATHS = ("vnni", "amx", "dequantize")
+KERNEL_PATHS = (*vnni.FAMILIES, "amx", "dequantize")
 
 
 @contextlib.contextmanager
 def kernel_path(path: str) -> Iterator[None]:
-    """Passes of several rows, of any length, on `path`: "amx" (tiles from vnni.AMX_MIN_ROWS rows),
-    "vnni" (vpdpbusd) or "dequantize" (bf16 weights, torch's matmul); one-row passes stay on VNNI,
-    the baseline of each path. Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
+    """Passes of any length on `path`: a kernel family ("avx512": vpdpbusd, "avx2": vpmaddubsw) for every
+    pass, "amx" (tiles from vnni.AMX_MIN_ROWS rows, one-row passes on AVX-512 VNNI) or "dequantize"
+    (passes of 2 rows or more as bf16 weights and torch's matmul, one-row passes on the default family).
+    Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
     saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS
     vnni.AMX_MIN_ROWS = saved[0] if path == "amx" else 10**9
     vnni.DEQUANTIZE_ROWS = 2 if path == "dequantize" else 10**9
+    isa = {} if path == "dequantize" else {vnni.ISA_ENV: path}
     try:
-        with mock.patch.dict(os.environ, {vnni.ISA_ENV: "amx" if path == "amx" else "avx512"}):
-            vnni._tiles_chosen.cache_clear()
+        with mock.patch.dict(os.environ, isa):
+            vnni.choose_anew()
             yield
     finally:
         vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS = saved
-        vnni._tiles_chosen.cache_clear()  # chosen again from the environment as it was
+        vnni.choose_anew()  # chosen again from the environment as it was
 
 
 def kernel_paths(wanted: list[str]) -> list[str]:
-    return [path for path in wanted if path != "amx" or vnni.amx_missing() is None]
+    """The paths of `wanted` that run on this CPU."""
+    return [path for path in wanted if (vnni.amx_missing() is None if path == "amx" else path not in vnni.FAMILIES or vnni.runs_here(path))]
 
 
 def _on_path(path: str, measure: Callable[[], float]) -> Callable[[], float]:
@@ -291,8 +294,10 @@ def plot_pass_costs(layers: dict, model: dict, tokens: list[int], title: str, pa
     def curve(per_k: dict, value: Callable) -> list[float]:
         return [statistics.median(value(t) / value(one) for t, one in zip(per_k[k], per_k[tokens[0]])) for k in tokens]
 
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, key in zip(axes, ["vnni", "amx"]):  # (a dequantize path, if measured, is in the tables)
+    measured = [key for key in KERNEL_PATHS if key != "dequantize" and any(key in per_path for per_path in [model, *layers.values()])]
+    figure, axes = plt.subplots(1, len(measured), figsize=(5.5 * len(measured), 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, key in zip(axes, measured):  # (a dequantize path, if measured, is in the tables)
         for name, per_path in layers.items():
             if key in per_path:
                 ax.plot(tokens, curve(per_path[key], float), marker=".", label=name)
@@ -478,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     passes.add_argument("--model", default="qwen2.5-coder-1.5b", help="'' for the layers alone")
     passes.add_argument("--shapes", type=parse_shape, nargs="*", default=QWEN_1_5B_LAYERS, help="OUTxIN or layer names; none: the model alone")
     passes.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    passes.add_argument("--paths", nargs="+", choices=KERNEL_PATHS, default=["vnni", "amx"], help="amx only where it runs")
+    passes.add_argument("--paths", nargs="+", choices=KERNEL_PATHS, default=["avx512", "avx2", "amx"], help="each only where it runs")
     passes.add_argument("--rounds", type=int, default=3)
     passes.add_argument("--seconds", type=float, default=0.5, help="per layer variant per round")
     passes.add_argument("--working-set-mb", type=int, default=1024, help="bytes each layer variant cycles through")

@@ -1,4 +1,4 @@
-// specdec_core/models/vnni.cpp on a CPU without AVX-512 or AMX, for tests/test_quant.py: SIMDe's
+// specdec_core/models/quant_avx512.cpp on a CPU without AVX-512 or AMX, for tests/test_quant.py: SIMDe's
 // portable AVX-512 and a scalar model of the AMX tiles. Slow; it checks the kernel's logic (layouts,
 // tile shapes, the order of the float epilogue), not its speed.
 #pragma once

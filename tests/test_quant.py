@@ -55,7 +55,20 @@ def test_layer_matches_its_dequantized_reference(precision: str, group_size: int
     assert (out.float() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
-needs_vnni = pytest.mark.skipif(vnni.extension() is None, reason="no AVX-512 VNNI CPU or no compiler here")
+needs_vnni = pytest.mark.skipif(vnni.extension() is None, reason="no AVX2 CPU or no compiler here")
+FAMILIES_HERE = [name for name in vnni.FAMILIES if vnni.runs_here(name) and vnni.family_kernel(name) is not None]
+
+
+@pytest.fixture(params=list(vnni.FAMILIES))
+def kernel_family(request, monkeypatch):
+    """Each kernel family this CPU runs, forced by SPECDEC_ISA; the path is chosen again after the test."""
+    if request.param not in FAMILIES_HERE:
+        pytest.skip(f"the {request.param} kernel does not run here")
+    monkeypatch.setenv(vnni.ISA_ENV, request.param)
+    vnni.choose_anew()
+    assert vnni.family() == request.param
+    yield request.param
+    vnni.choose_anew()
 
 
 def vnni_reference(linear: nn.Linear, precision: str, x: torch.Tensor, quantize_x: bool) -> torch.Tensor:
@@ -83,7 +96,7 @@ def vnni_reference(linear: nn.Linear, precision: str, x: torch.Tensor, quantize_
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 64, vnni.DEQUANTIZE_ROWS])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
-def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str):
+def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str, kernel_family: str):
     torch.manual_seed(3)
     linear = nn.Linear(256, 48, bias=False, dtype=DTYPES[dtype])
     x = torch.randn(rows, 256, dtype=DTYPES[dtype])
@@ -98,10 +111,9 @@ def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str)
 
 @needs_vnni
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
-def test_vnni_rows_do_not_depend_on_the_pass(precision: str):
-    """A row's result is the same in a pass of one row or of many, on VNNI (one row) or AMX tiles (from
-    vnni.AMX_MIN_ROWS, where the CPU has them): a verify pass over several tokens computes exactly
-    what the single-token steps of plain decoding compute."""
+def test_vnni_rows_do_not_depend_on_the_pass(precision: str, kernel_family: str):
+    """A row's result is the same in a pass of one row or of many, on each family: a verify pass over
+    several tokens computes exactly what the single-token steps of plain decoding compute."""
     torch.manual_seed(4)
     layer = VnniLinear.from_linear(nn.Linear(512, 64, bias=False, dtype=torch.bfloat16), precision)
     x = torch.randn(vnni.DEQUANTIZE_ROWS - 1, 512, dtype=torch.bfloat16)
@@ -113,7 +125,7 @@ def test_vnni_rows_do_not_depend_on_the_pass(precision: str):
 @needs_vnni
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
-def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, bias: bool):
+def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, bias: bool, kernel_family: str):
     """q, k and v fused into one layer (one activation quantization, one kernel call) give each output row
     exactly what its own layer gives, at every pass length, and the separate layers then read views of the
     fused weights (nothing is kept twice) and still give the same."""
@@ -153,6 +165,7 @@ def test_torchs_cpu_kernels_rows_do_not_depend_on_the_pass(layer_type, dtype):
         assert torch.equal(layer(x[:rows]), alone[:rows])
 
 
+needs_avx512 = pytest.mark.skipif("avx512" not in FAMILIES_HERE, reason="the AVX-512 VNNI kernel does not run here")
 needs_amx = pytest.mark.skipif(vnni.amx_missing() is not None, reason=f"no AMX tiles here: {vnni.amx_missing()}")
 AMX_ROWS = [2, 3, 8, 15, 16, 17, 31, 48, 64]
 
@@ -173,7 +186,9 @@ def reference_group_sums(layer: VnniLinear, x: torch.Tensor) -> torch.Tensor:
     q = operands.view(n // 16, k // 32, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 32, 32).long()
     groups = x.float().reshape(x.shape[0], k // 32, 32)
     amax = groups.abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # torch.full_like(amax, 127) / amax, as the kernel divides: 127 / amax is 127 * (1 / amax) in torch,
+    # one rounding more, which moves codes that lie near a tie.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     codes = torch.round(groups * inverse).long()
     return torch.einsum("mgi,ngi->mgn", codes, q)
 
@@ -198,16 +213,60 @@ def test_amx_outputs_equal_vnni_outputs(precision: str, dtype: str, rows: int):
     linear = nn.Linear(352, 64, bias=False, dtype=DTYPES[dtype])
     layer = VnniLinear.from_linear(linear, precision)
     x = torch.randn(rows, 352, dtype=DTYPES[dtype])
-    on_tiles = vnni.extension().vnni_mm(x, layer.packed, layer.scale_min, True)
-    assert torch.equal(on_tiles, vnni.extension().vnni_mm(x, layer.packed, layer.scale_min, False))
+    on_tiles = vnni.extension().mm(x, layer.packed, layer.scale_min, True)
+    assert torch.equal(on_tiles, vnni.extension().mm(x, layer.packed, layer.scale_min, False))
     assert torch.equal(layer(x), on_tiles)  # what a layer computes at this many rows
     reference = vnni_reference(linear, precision, x, quantize_x=True)
     tolerance = 1e-5 if dtype == "fp32" else 1e-2
     assert (on_tiles.double() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
+@needs_vnni
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("precision", quant.QUANTIZED)
+def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dtype: str):
+    """Each family (and AMX tiles, where they run) gives every row of a pass of 1 to 64 rows exactly what a
+    one-row pass on any other path gives: the integer sums (checked against the quantization math) and the
+    outputs, bit for bit. So text does not depend on the batch, the pass, nor the CPU's kernel family."""
+    layer = packed_layer(precision, 48, 352, seed=9)
+    x = (torch.randn(64, 352) * 3).to(DTYPES[dtype])
+    paths = [(vnni.family_kernel(name), False) for name in FAMILIES_HERE]
+    if vnni.amx_missing() is None:
+        paths.append((vnni.family_kernel("avx512"), True))
+    alone = torch.cat([paths[0][0].mm(x[i : i + 1], layer.packed, layer.scale_min, False) for i in range(64)])
+    sums = reference_group_sums(layer, x)
+    for kernel, tiles in paths:
+        assert torch.equal(kernel.group_sums(x, layer.packed, layer.scale_min, tiles).long(), sums)
+        for rows in range(1, 65):
+            assert torch.equal(kernel.mm(x[:rows], layer.packed, layer.scale_min, tiles), alone[:rows]), (kernel.__name__, tiles, rows)
+        assert torch.equal(kernel.dequantize_t(layer.packed, layer.scale_min), paths[0][0].dequantize_t(layer.packed, layer.scale_min))
+
+
+@pytest.mark.parametrize("flags,asked,chosen,said", [
+    ("avx512", None, "avx512", ""),
+    ("avx2", None, "avx2", ""),
+    ("avx2", "avx512", "avx2", "SPECDEC_ISA=avx512, but this CPU lacks avx512f"),
+    ("avx2", "amx", "avx2", "SPECDEC_ISA=amx, but this CPU lacks avx512f"),
+    ("avx512", "avx2", "avx2", ""),
+    ("none", None, None, "this CPU lacks AVX2"),
+])
+def test_the_family_is_chosen_from_the_cpu_flags_and_says_why(flags, asked, chosen, said, monkeypatch, caplog, isa_chosen_anew):
+    """Unset, the widest family the CPU runs; SPECDEC_ISA forces one, and where the CPU lacks it the widest
+    it has runs instead, with the missing flags in the log; with no AVX2, torch's kernels."""
+    cpu = {"avx512": set(vnni.FAMILIES["avx512"].cpu_flags) | set(vnni.FAMILIES["avx2"].cpu_flags),
+           "avx2": set(vnni.FAMILIES["avx2"].cpu_flags), "none": {"sse4_2"}}[flags]
+    monkeypatch.setattr(vnni, "_cpu_flags", lambda: cpu)
+    if asked:
+        monkeypatch.setenv(vnni.ISA_ENV, asked)
+    else:
+        monkeypatch.delenv(vnni.ISA_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert vnni.family() == chosen
+    assert said in caplog.text
+
+
 class PathSpy:
-    """The kernel, recording which path each vnni_mm call asked for."""
+    """The kernel, recording which path each mm call asked for."""
 
     def __init__(self, kernel):
         self.kernel, self.tiles = kernel, []
@@ -215,33 +274,31 @@ class PathSpy:
     def __getattr__(self, name: str):
         return getattr(self.kernel, name)
 
-    def vnni_mm(self, x, packed, scale_min, tiles):
+    def mm(self, x, packed, scale_min, tiles):
         self.tiles.append(tiles)
-        return self.kernel.vnni_mm(x, packed, scale_min, tiles)
+        return self.kernel.mm(x, packed, scale_min, tiles)
 
 
 @pytest.fixture
 def isa_chosen_anew():
     """vnni's path chosen again from this test's environment and CPU, and again after it, from this machine's."""
-    vnni.amx_missing.cache_clear()
-    vnni._tiles_chosen.cache_clear()
+    vnni.choose_anew()
     yield
-    vnni.amx_missing.cache_clear()
-    vnni._tiles_chosen.cache_clear()
+    vnni.choose_anew()
 
 
-@needs_vnni
+@needs_avx512
 @pytest.mark.parametrize("cause", ["default", "no cpu flags", "permission refused"])
 def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatch, caplog, isa_chosen_anew):
-    spy = PathSpy(vnni.extension())
-    monkeypatch.setattr(vnni, "extension", lambda: spy)
-    monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS) | set(vnni.AMX_FLAGS))
+    spy = PathSpy(vnni.family_kernel("avx512"))
+    monkeypatch.setattr(vnni, "family_kernel", lambda name: spy)
+    monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.FAMILIES["avx512"].cpu_flags) | set(vnni.AMX_FLAGS))
     if cause == "default":
         monkeypatch.delenv(vnni.ISA_ENV, raising=False)
     else:
         monkeypatch.setenv(vnni.ISA_ENV, "amx")
     if cause == "no cpu flags":
-        monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.CPU_FLAGS))
+        monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.FAMILIES["avx512"].cpu_flags))
     elif cause == "permission refused":
         monkeypatch.setattr(spy, "amx_enable", lambda: False, raising=False)
     with caplog.at_level(logging.INFO, logger="specdec"):
@@ -251,21 +308,21 @@ def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatc
     together = layer(x)
     assert spy.tiles == [False]
     assert torch.equal(layer(x[2:3]), together[2:3])
-    reason = {"default": "SPECDEC_ISA=avx512", "no cpu flags": "lacks amx_tile, amx_int8", "permission refused": "refused"}[cause]
+    reason = {"default": "SPECDEC_ISA=unset", "no cpu flags": "lacks amx_tile, amx_int8", "permission refused": "refused"}[cause]
     assert reason in caplog.text and "on AVX-512 VNNI" in caplog.text
 
 
 def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch, isa_chosen_anew):
     monkeypatch.setenv(vnni.ISA_ENV, "sse2")
-    with pytest.raises(ValueError, match="avx512, amx"):
+    with pytest.raises(ValueError, match="avx2, avx512, amx"):
         vnni.isa()
 
 
 @needs_amx
 def test_amx_takes_passes_from_amx_min_rows(monkeypatch, isa_chosen_anew):
     monkeypatch.setenv(vnni.ISA_ENV, "amx")
-    spy = PathSpy(vnni.extension())
-    monkeypatch.setattr(vnni, "extension", lambda: spy)
+    spy = PathSpy(vnni.family_kernel("avx512"))
+    monkeypatch.setattr(vnni, "family_kernel", lambda name: spy)
     layer = packed_layer("int8", 32, 64, seed=8)
     for rows in (1, vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS - 1, vnni.DEQUANTIZE_ROWS):
         layer(torch.randn(rows, 64))

@@ -1,4 +1,4 @@
-"""Building our C++ kernels (vnni.cpp, attention.cpp) with torch's extension builder, once per machine.
+"""Building our C++ kernels (quant_avx512.cpp, quant_avx2.cpp, attention.cpp) with torch's extension builder, once per machine.
 
 The builds live under specdec's cache, so that an image built with its weights has the kernels too;
 torch rebuilds one when its source or flags change, and skips the build (quietly) when they have not.

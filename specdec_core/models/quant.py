@@ -4,7 +4,7 @@ Decoding one token streams every weight from memory, so the bytes per weight set
 (DESIGN.md, "Why it works"). These layers keep activations in the model's dtype and store weights
 as int8 or int4 codes; the kernels:
 
-- On a CPU with AVX-512 VNNI, ours (vnni.py, `VnniLinear`): int4 or int8 codes with a float16
+- On a CPU with AVX2 or AVX-512 VNNI, ours (vnni.py, `VnniLinear`): int4 or int8 codes with a float16
   scale and min per 32 inputs, times activations rounded to int8 per 32 inputs.
 - Elsewhere torch's: int8 with one scale per output channel, `aten._weight_int8pack_mm` (CPU,
   CUDA, MPS, XPU); int4 with a scale and zero per `group_size` inputs,
@@ -232,7 +232,7 @@ def quantize_uint8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.
 
 
 class VnniLinear(QuantLinear):
-    """y = x @ dequant(q).T + bias on our VNNI kernel (vnni.py): w = q * scale + min per 32 inputs with
+    """y = x @ dequant(q).T + bias on our kernel (vnni.py): w = q * scale + min per 32 inputs with
     int4 or int8 codes q and float16 scales and mins; x rounded to int8 per 32 inputs."""
 
     def __init__(self, packed: torch.Tensor, scale_min: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,15 +1,17 @@
-"""Our CPU kernel for quantized linear layers (vnni.cpp): int4 or int8 weights times int8 activations
-on AVX-512 VNNI, and on AMX-INT8 tiles for passes of several rows.
+"""Our CPU kernel for quantized linear layers: int4 or int8 weights times int8 activations, one
+kernel file per ISA family (quant_avx512.cpp, quant_avx2.cpp, sharing quant_kernel.h), the family
+chosen at start from the CPU flags.
 
 torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
-in floats too; this one multiplies integer codes, as llama.cpp does: a one-token pass with
-`vpdpbusd`, a pass of AMX_MIN_ROWS to DEQUANTIZE_ROWS - 1 rows (verification, short prefills) with
-`tdpbsud` on AMX tiles where SPECDEC_ISA=amx asks for them (measured slower than VNNI on a Xeon with AMX,
-so off by default; docs/QUANT.md has the per-layer costs). Both paths compute bit-identical results, so a
-row's result never depends on the pass.
-Weights are group-wise, w = q * scale + min per 32 inputs. It is compiled once per machine with
-torch's extension builder (g++ and ninja; about a minute) and used where the CPU has the
-instructions; elsewhere `quant.Int4Linear` / `quant.Int8Linear` keep torch's kernels.
+in floats too; this one multiplies integer codes, as llama.cpp does: on AVX-512 VNNI with
+`vpdpbusd`, on AVX2 with `vpmaddubsw`, and, where SPECDEC_ISA=amx asks, passes of AMX_MIN_ROWS to
+DEQUANTIZE_ROWS - 1 rows (verification, short prefills) with `tdpbsud` on AMX tiles (measured slower
+than VNNI on a Xeon with AMX, so off by default; docs/QUANT.md has the per-layer costs). Every path
+computes bit-identical results, so a row's result never depends on the pass, nor on the CPU.
+Weights are group-wise, w = q * scale + min per 32 inputs, in one packed layout for every family
+(named after VNNI's operands). A family is compiled once per machine with torch's extension builder
+(g++ and ninja; about a minute); where no family runs, `quant.Int4Linear` / `quant.Int8Linear` keep
+torch's kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -27,16 +31,35 @@ log = logging.getLogger("specdec")
 
 GROUP_SIZE = 32  # inputs per scale and min; fixed by the kernel
 ROWS = 16  # output rows per block: one AVX-512 register of int32 sums
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """One ISA family's kernel file, the CPU flags it needs and the flags it is compiled with."""
+
+    name: str
+    title: str
+    source: Path
+    cpu_flags: tuple[str, ...]
+    compile_flags: tuple[str, ...]
+
+
+_HERE = Path(__file__).parent
+# Widest first: where SPECDEC_ISA is unset, the first the CPU runs.
+FAMILIES = {
+    "avx512": KernelFamily("specdec_avx512", "AVX-512 VNNI", _HERE / "quant_avx512.cpp",
+                           ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
+                           ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")),
+    "avx2": KernelFamily("specdec_avx2", "AVX2", _HERE / "quant_avx2.cpp", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
 AMX_FLAGS = ("amx_tile", "amx_int8")
-# SPECDEC_ISA forces the path of the integer passes: "avx512" (every pass on VNNI's vpdpbusd) or "amx" (passes
-# of AMX_MIN_ROWS rows or more on AMX-INT8 tiles, where the CPU has them). The default is avx512 on every CPU:
-# on a Xeon with AMX (2 threads) the tiles lost to VNNI at every pass of 2 to 512 rows, at 8 rows 1.3-1.9x
-# its time (docs/QUANT.md, "AMX, measured"), because each group of 32 inputs ends in a float epilogue.
+# SPECDEC_ISA forces the path of the integer passes: "avx2" or "avx512" (every pass on that family's dot
+# products), or "amx" (the avx512 family, with passes of AMX_MIN_ROWS rows or more on AMX-INT8 tiles where
+# the CPU has them). Unset, the widest family the CPU runs, without tiles: on a Xeon with AMX (2 threads) the
+# tiles lost to VNNI at every pass of 2 to 512 rows, at 8 rows 1.3-1.9x its time (docs/QUANT.md, "AMX,
+# measured"), because each group of 32 inputs ends in a float epilogue.
 ISA_ENV = "SPECDEC_ISA"
-ISAS = ("avx512", "amx")
-DEFAULT_ISA = "avx512"
-COMPILE_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+ISAS = ("avx2", "avx512", "amx")
 # From this many rows (a long prompt's prefill) dequantizing the weights to bf16 and multiplying on
 # the CPU's matrix units beats the VNNI dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
 # against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). On a Xeon with AMX, VNNI with 8 rows per
@@ -44,42 +67,63 @@ COMPILE_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16
 DEQUANTIZE_ROWS = 128
 # With SPECDEC_ISA=amx, from this many rows a pass runs on AMX tiles (one-token decode stays on VNNI).
 AMX_MIN_ROWS = 2
-SOURCE = Path(__file__).with_name("vnni.cpp")
 
 
 _cpu_flags = cpu_flags  # a module attribute, so that tests can stand in another CPU
 
 
+def isa() -> str | None:
+    """The kernel path SPECDEC_ISA asks for (one of ISAS), or None when it is unset."""
+    chosen = os.environ.get(ISA_ENV)
+    if chosen is not None and chosen not in ISAS:
+        raise ValueError(f"{ISA_ENV}={chosen!r} is not one of {', '.join(ISAS)}")
+    return chosen
+
+
+def runs_here(family: str) -> bool:
+    """Whether this CPU has every instruction `family` (a FAMILIES key) is built with."""
+    return all(flag in _cpu_flags() for flag in FAMILIES[family].cpu_flags)
+
+
 @functools.cache
-def extension():
-    """The compiled kernel, or None where the CPU lacks the instructions or it cannot be built (logged once)."""
-    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        log.info("quantize: this CPU lacks %s; using torch's int4 / int8 kernels", ", ".join(missing))
-        return None
-    kernel = build("specdec_vnni", SOURCE, COMPILE_FLAGS, "the AVX-512 VNNI kernel")
+def family() -> str | None:
+    """The family this process's passes run on: SPECDEC_ISA's where this CPU runs it, else the widest it
+    runs; None where it runs none (then torch's kernels). Logged once."""
+    asked = {"amx": "avx512"}.get(isa(), isa())
+    usable = [name for name in FAMILIES if runs_here(name)]
+    if asked is not None and asked not in usable:
+        log.warning("quantize: %s=%s, but this CPU lacks %s", ISA_ENV, isa(),
+                    ", ".join(flag for flag in FAMILIES[asked].cpu_flags if flag not in _cpu_flags()))
+    chosen = asked if asked in usable else next(iter(usable), None)
+    if chosen is None:
+        log.info("quantize: this CPU lacks AVX2 (%s); using torch's int4 / int8 kernels", ", ".join(FAMILIES["avx2"].cpu_flags))
+    return chosen
+
+
+@functools.cache
+def family_kernel(name: str) -> ModuleType | None:
+    """Family `name`'s compiled kernel, or None where it cannot be built (logged)."""
+    chosen = FAMILIES[name]
+    kernel = build(chosen.name, chosen.source, list(chosen.compile_flags), f"the {chosen.title} kernel")
     if kernel is None:
         log.warning("quantize: using torch's int4 / int8 kernels, which are slower")
     return kernel
 
 
-def isa() -> str:
-    """The kernel path SPECDEC_ISA asks for (ISAS), DEFAULT_ISA when unset."""
-    chosen = os.environ.get(ISA_ENV, DEFAULT_ISA)
-    if chosen not in ISAS:
-        raise ValueError(f"{ISA_ENV}={chosen!r} is not one of {', '.join(ISAS)}")
-    return chosen
+def extension() -> ModuleType | None:
+    """The compiled kernel of this process's family, or None where no family runs or builds."""
+    return None if family() is None else family_kernel(family())
 
 
 @functools.cache
 def amx_missing() -> str | None:
     """Why AMX tiles cannot run here, or None where they can: the CPU has AMX-INT8 and Linux grants the tile state."""
-    if extension() is None:
-        return "no VNNI kernel"
+    if not runs_here("avx512") or family_kernel("avx512") is None:
+        return "no AVX-512 VNNI kernel"
     missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    if not extension().amx_enable():
+    if not family_kernel("avx512").amx_enable():
         return "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return None
 
@@ -91,9 +135,16 @@ def _tiles_chosen() -> bool:
         log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s=amx), one-token passes on AVX-512 VNNI",
                  AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, ISA_ENV)
         return True
-    reason = f"{ISA_ENV}={isa()}" if isa() != "amx" else f"{ISA_ENV}=amx, but {amx_missing()}"
-    log.info("quantize: passes below %d rows on AVX-512 VNNI (%s)", DEQUANTIZE_ROWS, reason)
+    if family() is not None:
+        reason = f"{ISA_ENV}=amx, but {amx_missing()}" if isa() == "amx" else f"{ISA_ENV}={isa() or 'unset'}"
+        log.info("quantize: passes below %d rows on %s (%s)", DEQUANTIZE_ROWS, FAMILIES[family()].title, reason)
     return False
+
+
+def choose_anew() -> None:
+    """Forget the path chosen, so that the next pass chooses again from SPECDEC_ISA and the CPU (tools, tests)."""
+    for cached in (family, amx_missing, _tiles_chosen):
+        cached.cache_clear()
 
 
 @torch.compiler.assume_constant_result  # settled once per process: a compiled pass takes it as a constant
@@ -111,7 +162,7 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
     """Codes q [N, K] in 0..2^bits - 1 with scales and mins [N, K / 32] (w = q * scale + min) in the
     kernel's layout: packed [N/16, K/32, bits, 64] uint8 and scale_min [N/16, K/32, 2, 16] float16."""
     n, k = q.shape
-    # Operand i of a group holds inputs 4i..4i+3 of 16 rows, row-major (vnni.cpp).
+    # Operand i of a group holds inputs 4i..4i+3 of 16 rows, row-major (quant_kernel.h).
     operands = q.to(torch.uint8).view(n // ROWS, ROWS, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
     if bits == 4:  # operands 2c and 2c + 1 share chunk c: low and high nibbles
         operands = operands[:, :, 0::2] | operands[:, :, 1::2] << 4
@@ -121,11 +172,11 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
 
 
 def _vnni_dequantize_t(packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-    return extension().vnni_dequantize_t(packed, scale_min)
+    return extension().dequantize_t(packed, scale_min)
 
 
 def _vnni_mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, tiles: bool) -> torch.Tensor:
-    return extension().vnni_mm(x, packed, scale_min, tiles)
+    return extension().mm(x, packed, scale_min, tiles)
 
 
 # The weights, transposed: [K, N] bf16.
@@ -139,7 +190,7 @@ _mm = traceable(_vnni_mm, lambda x, packed, scale_min, tiles: x.new_empty(x.shap
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
     to int8 per 32 inputs, and each row's result is the same whatever the number of rows and whichever
-    path (VNNI or AMX) takes it (a verify pass computes what single steps do); from there on the
+    path (AVX2, VNNI or AMX) takes it (a verify pass computes what single steps do); from there on the
     weights are dequantized to bf16."""
     rows = x.shape[0]
     if rows >= DEQUANTIZE_ROWS:
@@ -151,6 +202,6 @@ def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.
 
 
 def group_sums(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, tiles: bool) -> torch.Tensor:
-    """The int32 sums [M, K/32, N] per row of x, group of 32 inputs and output, from the AMX path
-    (tiles, which needs amx()) or the VNNI one: for tests."""
-    return extension().vnni_group_sums(x, packed, scale_min, tiles)
+    """The int32 sums [M, K/32, N] per row of x, group of 32 inputs and output, from this process's
+    family, on AMX tiles where `tiles` asks (which needs amx_missing() to be None): for tests."""
+    return extension().group_sums(x, packed, scale_min, tiles)

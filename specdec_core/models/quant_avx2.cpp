@@ -1,0 +1,146 @@
+// The quantized linear layer on AVX2, for CPUs without AVX-512 VNNI (AMD Zen 2 and 3, Intel before
+// Ice Lake), where torch's int4 kernel would multiply in floats once per token (quant_kernel.h has
+// the layout and what every ISA shares).
+//
+// AVX2 has no `vpdpbusd`: `vpmaddubsw` multiplies 32 unsigned weight codes by 32 signed activation
+// codes and adds neighbouring products into int16, saturating, and `vpmaddwd` by ones adds those
+// pairs into int32. A block's 64-byte operand is two registers here, rows 0-7 and rows 8-15 (its two
+// parts), and each part is its own block of 8 output rows.
+// - int4: a pair is at most 2 * 15 * 127 = 3,810 in size, so a group's 8 operands add up in int16
+//   (at most 30,480 < 32,767) before one `vpmaddwd`.
+// - int8: codes 0..255 would saturate (2 * 255 * 127 = 64,770). Each code is taken as s = q - 128
+//   (its top bit flipped), `vpmaddubsw` multiplies |s| (0..128, unsigned) by the activation code
+//   with s's sign (|a| <= 127), at most 2 * 128 * 127 = 32,512 a pair, and 128 * the activations'
+//   code sum is added back: sum(q * a) = sum(s * a) + 128 * sum(a).
+// Either way the int32 sums are exact, the same integers as VNNI's and AMX's.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+
+// AVX2's 8 float or int32 lanes: one lane per output row of a part.
+struct Simd {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kLanes = 8;
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(F a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static I byte(I a, int j) { return _mm256_and_si256(_mm256_srli_epi32(a, 8 * j), _mm256_set1_epi32(0xFF)); }
+  static F load(const float* in) { return _mm256_loadu_ps(in); }
+  static F load(const at::BFloat16* in) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static F load_half(const uint16_t* in) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))); }
+  static void store(float* out, F values) { _mm256_storeu_ps(out, values); }
+  // To bf16, rounding to nearest even: the AVX-512 path's integer steps, lane by lane.
+  static void store(at::BFloat16* out, F values) {
+    const __m256i bits = _mm256_castps_si256(values);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i high = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i words = _mm256_packus_epi32(high, high);  // per 128-bit half: its 4 lanes, twice
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0b1000)));
+  }
+  static void store_ints(int32_t* out, I values) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), values); }
+  // Rounds to int32 codes (nearest even), stores them as int8 (they lie in -127..127), returns their sum.
+  static int32_t round_and_store(F values, int8_t* out) {
+    const __m256i q = _mm256_cvtps_epi32(values);
+    const __m256i words = _mm256_packs_epi32(q, q);
+    const __m256i bytes = _mm256_packs_epi16(words, words);  // per 128-bit half: its 4 codes in the low 4 bytes
+    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(ordered));
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b01001110));
+    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b10110001)));
+  }
+  // The 8 operands of one group, for the block's rows 8 * part .. 8 * part + 7.
+  template <int bits>
+  static void operands(const uint8_t* w, int part, I op[8]) {
+    const auto load = [&](int64_t at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at + 32 * part)); };
+    if constexpr (bits == 4) {
+      const __m256i nibble = _mm256_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i bytes = load(64 * c);
+        op[2 * c] = _mm256_and_si256(bytes, nibble);
+        op[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) op[i] = load(64 * i);
+    }
+  }
+};
+
+#include "quant_kernel.h"
+
+namespace {
+
+constexpr int64_t kTokens = 4;  // activation rows per register block: AVX2 has 16 registers
+
+// `tokens` (<= kTokens) activation rows starting at t0, one part (8 rows) of one block.
+template <int bits, int tokens, typename Epilogue>
+void block(const PassInputs& in, int64_t t0, int64_t nb, int part, const Epilogue& epilogue) {
+  const int64_t groups = in.k / kGroup, col = nb * kRows + part * kLanes;
+  const __m256i ones = _mm256_set1_epi16(1), top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[tokens];
+  for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
+  const uint8_t* w = in.w + nb * groups * group_bytes<bits>();
+  const uint16_t* sm = in.sm + nb * groups * 32;
+  for (int64_t g = 0; g < groups; ++g, w += group_bytes<bits>(), sm += 32) {
+    if (part == 0) prefetch_group<bits>(w, sm);  // the second part reads the same lines
+    __m256i op[8];
+    Simd::operands<bits>(w, part, op);
+    __m256i dot[tokens];
+    for (int t = 0; t < tokens; ++t) dot[t] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i shifted = _mm256_xor_si256(op[i], top_bit), magnitude = _mm256_abs_epi8(shifted);  // int8: s, |s|
+      for (int t = 0; t < tokens; ++t) {
+        int32_t four;
+        std::memcpy(&four, in.codes + (t0 + t) * in.k + g * kGroup + 4 * i, 4);
+        const __m256i a = _mm256_set1_epi32(four);
+        if constexpr (bits == 4) {
+          dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(op[i], a));
+        } else {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, shifted));
+          dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    const __m256 scale = group_scale(sm, part), min = group_min(sm, part);
+    for (int t = 0; t < tokens; ++t) {
+      const __m256i sum = bits == 4 ? _mm256_madd_epi16(dot[t], ones)
+                                    : _mm256_add_epi32(dot[t], _mm256_set1_epi32(128 * in.code_sums[(t0 + t) * groups + g]));
+      epilogue.add(acc[t], sum, scale, min, t0 + t, g, col);
+    }
+  }
+  for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, col);
+}
+
+template <int bits, typename Epilogue>
+void pass(const PassInputs& in, bool tiles, const Epilogue& epilogue) {
+  TORCH_CHECK(!tiles, "the AVX2 kernel has no AMX path");
+  at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int part = 0; part < kParts; ++part) {
+        for (int64_t t0 = 0; t0 < in.m; t0 += kTokens) {
+          with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) { block<bits, decltype(tokens)::value>(in, t0, nb, part, epilogue); });
+        }
+      }
+    }
+  });
+}
+
+int64_t padded_rows(int64_t m, bool) { return m; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) { QUANT_KERNEL_MODULE(module); }

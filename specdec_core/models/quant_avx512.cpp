@@ -1,0 +1,274 @@
+// The quantized linear layer on AVX-512 VNNI, and on AMX-INT8 tiles for passes of several rows
+// (quant_kernel.h has the layout and what every ISA shares).
+//
+// A one-token pass multiplies each group's 8 operands by 4 broadcast activation codes with
+// `vpdpbusd`, 64 weight codes per instruction, 16 output rows in one register's int32 lanes.
+//
+// Passes of several rows (verify passes, short prefills) can take the integer sums from AMX tiles
+// instead (SPECDEC_ISA=amx): `tdpbsud` multiplies up to 16 activation rows (A, signed) by one
+// group's 8 operands, which are exactly a B tile's 8 rows of 64 bytes (int8 loads them in place;
+// int4 unpacks them to bytes first), into a 16 x 16 tile of int32 sums.
+#include <torch/extension.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+#ifdef SPECDEC_KERNEL_EMULATION
+// tests/kernel_emulation.h: this code on a CPU without AVX-512 or AMX (slow: it checks the logic).
+#include "kernel_emulation.h"
+#else
+#include <immintrin.h>
+
+// The tile instructions, as inline asm with the operands the compiler must respect: GCC 12's
+// `_tile_loadconfig` names only the config's first 8 bytes as read, so it may drop the stores of
+// the rest (llama.cpp's AMX build fails so with GCC 12), and its `_tile_loadd` names no memory
+// at all, so stores to an unpacked buffer could be sunk past the load. No -mamx-* flags needed.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+inline void tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config)); }
+inline void tile_release() { asm volatile("tilerelease" ::); }
+template <int tile>
+void tile_load(const void* base, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(tile) : "memory");
+}
+template <int tile>
+void tile_store(void* base, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(tile) : "memory");
+}
+template <int tile>
+void tile_zero() { asm volatile("tilezero %%tmm%c0" ::"i"(tile)); }
+// c += a (signed bytes) . b (unsigned bytes), 4 bytes per int32 lane.
+template <int c, int a, int b>
+void tile_dpbsud() { asm volatile("tdpbsud %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(b), "i"(a), "i"(c)); }
+
+// Linux hands out the tile state (8 KB per thread) only to processes that ask, once.
+bool request_tiles() {
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+#endif
+
+// AVX-512's 16 float or int32 lanes: one lane per output row of a block.
+struct Simd {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kLanes = 16;
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F abs(F a) { return _mm512_abs_ps(a); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
+  static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static I byte(I a, int j) { return _mm512_and_si512(_mm512_srli_epi32(a, 8 * j), _mm512_set1_epi32(0xFF)); }
+  // Activations and results are float32 or bf16, read and written as such (no conversion passes).
+  static F load(const float* in) { return _mm512_loadu_ps(in); }
+  static F load(const at::BFloat16* in) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static F load_half(const uint16_t* in) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in))); }
+  static void store(float* out, F values) { _mm512_storeu_ps(out, values); }
+  // To bf16, rounding to nearest even (plain AVX-512F, so no bf16 instructions needed).
+  static void store(at::BFloat16* out, F values) {
+    const __m512i bits = _mm512_castps_si512(values);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+  static void store_ints(int32_t* out, I values) { _mm512_storeu_si512(out, values); }
+  // Rounds to int32 codes (nearest even), stores them as int8, returns their sum.
+  static int32_t round_and_store(F values, int8_t* out) {
+    const __m512i q = _mm512_cvtps_epi32(values);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q));
+    return _mm512_reduce_add_epi32(q);
+  }
+  // The 8 operands of one group of one 16-row block (quant_kernel.h's layout); one register each, so part is 0.
+  template <int bits>
+  static void operands(const uint8_t* w, int, I op[8]) {
+    if constexpr (bits == 4) {
+      const __m512i nibble = _mm512_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i bytes = _mm512_loadu_si512(w + 64 * c);
+        op[2 * c] = _mm512_and_si512(bytes, nibble);
+        op[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) op[i] = _mm512_loadu_si512(w + 64 * i);
+    }
+  }
+};
+
+#include "quant_kernel.h"
+
+namespace {
+
+constexpr int64_t kTokens = 8;  // activation rows per register block
+
+// VNNI: `tokens` (<= kTokens) activation rows starting at t0, one block of 16 rows. A group's operands are
+// unpacked once for all `tokens` rows, and every row's sums are in flight at once.
+template <int bits, int tokens, typename Epilogue>
+void block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
+  // Independent vpdpbusd chains per row: a single chain of eight dependent ones would wait on latency, so a
+  // pass of few rows splits each row's eight into several chains (integer sums: the split changes nothing).
+  constexpr int chains = tokens >= 4 ? 1 : 4 / tokens;
+  const int64_t groups = in.k / kGroup;
+  __m512 acc[tokens];
+  for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+  const uint8_t* w = in.w + nb * groups * group_bytes<bits>();
+  const uint16_t* sm = in.sm + nb * groups * 32;
+  for (int64_t g = 0; g < groups; ++g, w += group_bytes<bits>(), sm += 32) {
+    prefetch_group<bits>(w, sm);
+    __m512i op[8];
+    Simd::operands<bits>(w, 0, op);
+    __m512i dot[tokens][chains];
+    for (int t = 0; t < tokens; ++t)
+      for (int c = 0; c < chains; ++c) dot[t][c] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      for (int t = 0; t < tokens; ++t) {
+        int32_t four;
+        std::memcpy(&four, in.codes + (t0 + t) * in.k + g * kGroup + 4 * i, 4);
+        dot[t][i % chains] = _mm512_dpbusd_epi32(dot[t][i % chains], op[i], _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 scale = group_scale(sm, 0), min = group_min(sm, 0);
+    for (int t = 0; t < tokens; ++t) {
+      __m512i sum = dot[t][0];
+      for (int c = 1; c < chains; ++c) sum = _mm512_add_epi32(sum, dot[t][c]);
+      epilogue.add(acc[t], sum, scale, min, t0 + t, g, nb * kRows);
+    }
+  }
+  for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, nb * kRows);
+}
+
+template <int bits, typename Epilogue>
+void vnni_pass(const PassInputs& in, const Epilogue& e) {
+  at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t t0 = 0; t0 < in.m; t0 += kTokens) {
+        with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) { block<bits, decltype(tokens)::value>(in, t0, nb, e); });
+      }
+    }
+  });
+}
+
+// AMX. Tiles: tmm0-1 B (one group's 8 weight operands, groups alternating), tmm2-3 A (`rows`
+// activation rows x 32 codes), tmm4-7 C (rows x 16 int32 sums), a ring of 4, so that the tile
+// unit works kLag groups ahead of the float epilogue instead of waiting on it.
+constexpr int64_t kTileRows = 16, kLag = 2, kSlots = 4, kOperandBytes = 8 * 64;
+
+TileConfig tile_shapes(int64_t rows) {
+  TileConfig config;
+  for (int b = 0; b < 2; ++b) config.rows[b] = 8, config.colsb[b] = 64;
+  for (int a = 2; a < 4; ++a) config.rows[a] = rows, config.colsb[a] = kGroup;
+  for (int c = 4; c < 8; ++c) config.rows[c] = rows, config.colsb[c] = kRows * sizeof(int32_t);
+  return config;
+}
+
+// Tile numbers are immediates: f gets g's slot of the ring as a compile-time constant.
+template <typename F>
+void with_slot(int64_t g, F&& f) {
+  switch (g % kSlots) {
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 3>{}); break;
+  }
+}
+
+// `tokens` (<= 16) activation rows from t0, one block of 16 rows; the A tiles read the configured
+// rows (>= tokens; codes past M are zero). int8 operands load straight from the packed weights;
+// int4 ones from `unpacked` (the block's groups as bytes), which the block's first call (`first`,
+// the one that streams the weights from memory) fills and its later calls, for later tokens, reuse.
+template <int bits, int tokens, typename Epilogue>
+void amx_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* unpacked, bool first, const Epilogue& epilogue) {
+  const int64_t groups = in.k / kGroup;
+  const uint8_t* w = in.w + nb * groups * group_bytes<bits>();
+  const uint16_t* sm = in.sm + nb * groups * 32;
+  alignas(64) int32_t sums[kSlots][kTileRows][kRows];
+  __m512 acc[tokens];
+  for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+  const auto issue = [&](auto slot, int64_t g) {
+    constexpr int s = decltype(slot)::value;
+    if (first) prefetch_group<bits>(w + g * group_bytes<bits>(), sm + g * 32);
+    const uint8_t* b = w + g * group_bytes<bits>();
+    if constexpr (bits == 4) {
+      b = unpacked + g * kOperandBytes;
+      if (first) {
+        __m512i op[8];
+        Simd::operands<4>(w + g * group_bytes<bits>(), 0, op);
+        for (int i = 0; i < 8; ++i) _mm512_store_si512(unpacked + g * kOperandBytes + 64 * i, op[i]);
+      }
+    }
+    tile_load<s % 2>(b, 64);
+    tile_load<2 + s % 2>(in.codes + t0 * in.k + g * kGroup, in.k);
+    tile_zero<4 + s>();
+    tile_dpbsud<4 + s, 2 + s % 2, s % 2>();
+    tile_store<4 + s>(sums[s], kRows * sizeof(int32_t));
+  };
+  const auto drain = [&](int64_t g) {
+    const __m512 scale = group_scale(sm + g * 32, 0), min = group_min(sm + g * 32, 0);
+    for (int t = 0; t < tokens; ++t) epilogue.add(acc[t], _mm512_load_si512(sums[g % kSlots][t]), scale, min, t0 + t, g, nb * kRows);
+  };
+  for (int64_t g = 0; g < groups + kLag; ++g) {
+    if (g < groups) with_slot(g, [&](auto slot) { issue(slot, g); });
+    if (g >= kLag) drain(g - kLag);
+  }
+  for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, nb * kRows);
+}
+
+std::atomic<bool> tiles_granted{false};
+
+// Activation rows per A tile for a pass of m rows.
+int64_t tile_rows(int64_t m) { return std::min(m, kTileRows); }
+
+template <int bits, typename Epilogue>
+void amx_pass(const PassInputs& in, const Epilogue& e) {
+  TORCH_CHECK(tiles_granted, "the AMX path needs amx_enable() to have succeeded");
+  const int64_t rows = tile_rows(in.m), unpacked_bytes = bits == 4 ? in.k / kGroup * kOperandBytes : 0;
+  at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
+    // Per thread and call: torch's own AMX kernels (oneDNN's bf16 matmuls) load their own shapes in between.
+    tile_config(tile_shapes(rows));
+    std::unique_ptr<uint8_t, decltype(&std::free)> unpacked(
+        static_cast<uint8_t*>(unpacked_bytes ? std::aligned_alloc(64, unpacked_bytes) : nullptr), &std::free);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t t0 = 0; t0 < in.m; t0 += rows) {
+        with_count<kTileRows>(std::min(rows, in.m - t0), [&](auto tokens) {
+          amx_block<bits, decltype(tokens)::value>(in, t0, nb, unpacked.get(), t0 == 0, e);
+        });
+      }
+    }
+    tile_release();
+  });
+}
+
+template <int bits, typename Epilogue>
+void pass(const PassInputs& in, bool tiles, const Epilogue& epilogue) {
+  tiles ? amx_pass<bits>(in, epilogue) : vnni_pass<bits>(in, epilogue);
+}
+
+// The A tiles read whole tiles: the codes are padded to a multiple of the rows per tile.
+int64_t padded_rows(int64_t m, bool tiles) {
+  const int64_t rows = tiles ? tile_rows(m) : 1;
+  return tiles && m > 0 ? (m + rows - 1) / rows * rows : m;
+}
+
+}  // namespace
+
+bool amx_enable() {
+  tiles_granted = tiles_granted || request_tiles();
+  return tiles_granted;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  QUANT_KERNEL_MODULE(module);
+  module.def("amx_enable", &amx_enable, "ask Linux for the AMX tile state (once); whether the AMX path may run");
+}
