@@ -12,6 +12,8 @@ of a row-invariant runner (SDPA's; its decode and verify passes take the kernel)
 
 The attention is our row-invariant kernel where the runner's passes are row-invariant (attention.py),
 else SDPA; both are ops torch.compile sees through (custom ops), as are the quantized layers (vnni.py).
+On the CPU, uncompiled, each residual add with the norm after it, and the rotary embedding with the cache
+write, are one fused op each (step_ops.py), with the modules' numbers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from . import step_ops
 from .attention import attend_rows, row_slots
 from .quant import fused_projections
 from .runner import ModelRunner, additive_mask
@@ -58,21 +61,26 @@ def decoder_pass(
     batch, k = input_ids.shape
     hidden = decoder.embed_tokens(input_ids)
     rotary = decoder.rotary_emb(hidden, positions)
+    ops = step_ops.for_pass(hidden)
     rows = torch.arange(batch, device=input_ids.device)[:, None]
     states = []
+    delta = None  # the last residual branch's output, added to hidden with the next norm
     for layer, (qkv, gate_up), layer_keys, layer_values in zip(decoder.layers, projections, keys, values):
-        states.append(hidden)
         attention = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        hidden, x = _residual_norm(ops, hidden, delta, layer.input_layernorm)
+        states.append(hidden)
         shape = (batch, k, -1, attention.head_dim)
         if qkv is None:
             query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
         else:
             query, key, value = qkv(x).split(
                 [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features], dim=-1)
-        query, key = apply_rotary_pos_emb(query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2), *rotary)
-        layer_keys[rows, :, slots] = key.transpose(1, 2)
-        layer_values[rows, :, slots] = value.view(shape)
+        if ops is None:
+            query, key = apply_rotary_pos_emb(query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2), *rotary)
+            layer_keys[rows, :, slots] = key.transpose(1, 2)
+            layer_values[rows, :, slots] = value.view(shape)
+        else:
+            query = ops.rotate_and_cache(query, key, value, *rotary, layer_keys, layer_values, slots)
         if attended is None:
             window = mask.shape[-1]  # the slots SDPA reads: the mask's, a prefix of the capacity
             out = F.scaled_dot_product_attention(
@@ -81,17 +89,25 @@ def decoder_pass(
             ).transpose(1, 2)
         else:
             out = attend_rows(query, layer_keys, layer_values, attended, offsets, attention.scaling)
-        hidden = hidden + attention.o_proj(out.reshape(batch, k, -1))
-        x = layer.post_attention_layernorm(hidden)
+        hidden, x = _residual_norm(ops, hidden, attention.o_proj(out.reshape(batch, k, -1)), layer.post_attention_layernorm)
         mlp = layer.mlp
         if gate_up is None:
-            hidden = hidden + mlp(x)
+            delta = mlp(x)
         else:
             gate, up = gate_up(x).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-    hidden = decoder.norm(hidden)
+            delta = mlp.down_proj(mlp.act_fn(gate) * up)
+    _, hidden = _residual_norm(ops, hidden, delta, decoder.norm)
     logits = model.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
     return logits, (*states, hidden) if hidden_states else None
+
+
+def _residual_norm(ops, hidden: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden + delta, norm(hidden + delta)), or (hidden, norm(hidden)) without a delta: on the fused op where
+    `ops` (step_ops.for_pass) has it, else the module's own, with the same numbers."""
+    if ops is None:
+        hidden = hidden if delta is None else hidden + delta
+        return hidden, norm(hidden)
+    return ops.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
 
 
 class StaticRunner(ModelRunner):
