@@ -1,6 +1,7 @@
 """What a step costs on each step kind (model.step: eager, static, compiled): ms per plain step, per verify
 pass of k tokens and per draft step of the model drafters, interleaved in one run so that every kind sees
-the same machine.
+the same machine; with --prefill, tokens/s of whole prefills; with --llama-cpp, llama.cpp's figures for the
+same GGUF file and threads from llama-bench, in the same run (after ours).
 
 Where the real weights cannot go (a GPU machine takes 64 MiB), --shapes builds a registry model's exact
 architecture with random weights: a pass costs what its shapes cost, whatever the values. --acceptance
@@ -8,6 +9,8 @@ combines the costs with a bench run's measured tokens per step into expected spe
 combination (a tree's pass is taken as wide as it is deep, so trees come out a little better than they are).
 
     python -m specdec_tools.step_costs --config configs/default.yaml --lengths 1,2,4,8 --reps 10
+    python -m specdec_tools.step_costs --config configs/default.yaml --steps eager,static \\
+        --lengths 1,2,4,8,16,32,64 --prefill 512,2048 --llama-cpp /work/llama-native --out step-costs.json
     python -m specdec_tools.step_costs --shapes qwen2.5-coder-1.5b --draft-shapes qwen2.5-coder-0.5b \\
         --device cuda --weights bf16 --lengths 1,2,4,8,16,32,64 \\
         --acceptance docs/benchmarks/qwen2.5-coder-1.5b-int4-workloads-t0/results.json --out step-costs.json
@@ -36,6 +39,7 @@ from specdec_core.models.static_runner import STEPS, on_step
 from specdec_core.models.tiny import is_tiny, tiny_model
 
 from . import measurement
+from .bench.llama_cpp import find_tools, llama_bench, registry_gguf
 
 # The registry models' architectures (their config.json), for --shapes: what a pass's cost depends on.
 QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
@@ -49,6 +53,9 @@ SHAPES = {
 TINY_VOCAB = 384
 HOST_DRAFTERS = ("ngram", "suffix")  # lookups on the host: their draft time is the bench run's own
 WARMUP = 3  # passes of each kind and length before timing: compiling, and recording CUDA graphs
+PREFILL_WARMUP = 1  # prefills of each kind and length before timing: one compiles its shapes (never padded)
+LLAMA_CPP_PREFILL = 512  # llama-bench's own prompt length: the prefill figure llama.cpp is usually quoted at
+LLAMA_CPP_GENERATED = 64  # tokens of llama-bench's tg test, a token's cost
 
 
 def random_runner(name: str, weights: str | None, dtype: str, device: torch.device) -> ModelRunner:
@@ -83,15 +90,20 @@ def timer(device: torch.device) -> Callable[..., float]:
     return timed
 
 
-def pass_costs(runner: ModelRunner, steps: list[str], lengths: list[int], context: int, reps: int) -> dict:
-    """Median ms per pass of each length on each step kind, over one cache per kind holding `context`
-    tokens; each pass is rolled back but for its first token, so every context grows alike."""
+def on_steps(runner: ModelRunner, steps: list[str]) -> dict[str, ModelRunner]:
+    """`runner`'s model on each step kind."""
+    return {step: on_step(runner, step, warm_batch_sizes=(1,)) for step in steps}  # batch 1 only: compile less
+
+
+def pass_costs(runners: dict[str, ModelRunner], lengths: list[int], context: int, reps: int) -> dict:
+    """Median ms per pass of each length on each step kind (one model's `runners`), over one cache per kind
+    holding `context` tokens; each pass is rolled back but for its first token, so every context grows alike."""
+    runner = next(iter(runners.values()))
     timed = timer(runner.device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, runner.vocab_size, (context,), generator=generator).tolist()
-    runners = {step: on_step(runner, step, warm_batch_sizes=(1,)) for step in steps}  # batch 1 only: compile less
     caches = {step: r.prefill(prompt)[0] for step, r in runners.items()}
-    times: dict[tuple[str, int], list[float]] = {(step, k): [] for step in steps for k in lengths}
+    times: dict[tuple[str, int], list[float]] = {(step, k): [] for step in runners for k in lengths}
     for rep in tqdm(range(WARMUP + reps), desc="passes"):
         for k in lengths:
             ids = torch.randint(0, runner.vocab_size, (1, k), generator=generator).to(runner.device)
@@ -100,7 +112,24 @@ def pass_costs(runner: ModelRunner, steps: list[str], lengths: list[int], contex
                 caches[step].commit(torch.tensor([[True] + [False] * (k - 1)], device=runner.device))
                 if rep >= WARMUP:
                     times[(step, k)].append(seconds)
-    return {step: {k: 1e3 * statistics.median(times[(step, k)]) for k in lengths} for step in steps}
+    return {step: {k: 1e3 * statistics.median(times[(step, k)]) for k in lengths} for step in runners}
+
+
+def prefill_rates(runners: dict[str, ModelRunner], lengths: list[int], reps: int) -> dict:
+    """Median tokens/s of a prefill of each length into an empty cache on each step kind, as a request's prompt
+    is prefilled (ModelRunner.prefill)."""
+    runner = next(iter(runners.values()))
+    timed = timer(runner.device)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, runner.vocab_size, (max(lengths),), generator=generator).tolist()
+    times: dict[tuple[str, int], list[float]] = {(step, n): [] for step in runners for n in lengths}
+    for rep in tqdm(range(PREFILL_WARMUP + reps), desc="prefills"):
+        for n in lengths:
+            for step, r in runners.items():
+                seconds = timed(r.prefill, prompt[:n])
+                if rep >= PREFILL_WARMUP:
+                    times[(step, n)].append(seconds)
+    return {step: {n: n / statistics.median(times[(step, n)]) for n in lengths} for step in runners}
 
 
 def draft_costs(target: ModelRunner, draft: ModelRunner | None, steps: list[str], context: int, reps: int) -> dict:
@@ -110,7 +139,8 @@ def draft_costs(target: ModelRunner, draft: ModelRunner | None, steps: list[str]
     device, hidden = target.device, target.config.hidden_size
     costs: dict[str, dict[str, float] | float] = {}
     if draft is not None:
-        costs["draft-model"] = {step: by_k[1] for step, by_k in pass_costs(draft, steps, [1], context, reps).items()}
+        by_step = pass_costs(on_steps(draft, steps), [1], context, reps)
+        costs["draft-model"] = {step: by_k[1] for step, by_k in by_step.items()}
     net = EagleNet(target.model).eval()
     heads = MedusaHeads(hidden, num_heads=4).to(device=device, dtype=target.dtype).eval()
     features = torch.randn(1, context, hidden, dtype=target.dtype, device=device)
@@ -166,7 +196,7 @@ def expected_speedups(passes: dict, drafts: dict, results: Path) -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """ms per pass against its length, one line per step kind."""
+    """ms per pass against its length, one line per step kind (and llama.cpp's pp k, its tg token at 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,6 +205,10 @@ def plot(result: dict, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(6, 4))
     for step, by_k in result["pass_ms"].items():
         axes.plot(list(by_k), list(by_k.values()), marker="o", label=step)
+    if "llama_cpp" in result:
+        llama_cpp = result["llama_cpp"]
+        axes.plot(list(llama_cpp["pass_ms"]), list(llama_cpp["pass_ms"].values()), "k--s", label="llama.cpp pp k")
+        axes.plot([1], [llama_cpp["token_ms"]], "kx", label=f"llama.cpp tg{LLAMA_CPP_GENERATED}, a token")
     axes.set_xscale("log", base=2)
     axes.set_xlabel("tokens in the pass (1: a plain step)")
     axes.set_ylabel("ms per pass (median)")
@@ -192,6 +226,10 @@ def measure(args) -> dict:
     if unknown:
         raise SystemExit(f"step_costs: --steps takes {', '.join(STEPS)}, not {', '.join(unknown)}")
     lengths = [int(k) for k in args.lengths.split(",")]
+    prefill_lengths = [int(n) for n in args.prefill.split(",") if n]
+    if args.shapes and args.llama_cpp:
+        raise SystemExit("step_costs: --llama-cpp runs the GGUF file of --config's target: not with --shapes")
+    llama_cpp = None
     if args.shapes:
         device = resolve_device(args.device)
         target = random_runner(args.shapes, args.weights, args.dtype, device)
@@ -200,12 +238,15 @@ def measure(args) -> dict:
                 "random_weights": True}
     else:
         config = Config.load(args.config)
+        llama_cpp = llama_cpp_inputs(args.llama_cpp, config.model.target) if args.llama_cpp else None  # before loading
         target, draft = load_runner(config.model.target, config.model), None
         what = {"target": config.model.target, "weights": config.model.weights, "dtype": config.model.dtype,
                 "random_weights": False}
     start = time.perf_counter()
-    passes = pass_costs(target, steps, lengths, args.context, args.reps)
+    runners = on_steps(target, steps)
+    passes = pass_costs(runners, lengths, args.context, args.reps)
     drafts = draft_costs(target, draft, steps, args.context, args.reps)
+    prefills = prefill_rates(runners, prefill_lengths, args.reps) if prefill_lengths else {}
     result = {
         **what, "device": str(target.device), "device_name": _device_name(target.device),
         "row_invariant": target.row_invariant, "context": args.context, "reps": args.reps,
@@ -213,7 +254,10 @@ def measure(args) -> dict:
         "verify_over_plain": {step: {k: ms / by_k[lengths[0]] for k, ms in by_k.items()} for step, by_k in passes.items()},
         "eager_over": {step: {k: passes["eager"][k] / ms for k, ms in by_k.items()} for step, by_k in passes.items()}
         if "eager" in passes else None,
+        "prefill_tokens_per_s": prefills,
     }
+    if llama_cpp:
+        result["llama_cpp"], prefills["llama.cpp"] = llama_cpp_rows(*llama_cpp, lengths, prefill_lengths, args.reps)
     if args.acceptance:
         result["expected"] = {
             "label": "expected speedups: pass and draft costs measured here x tokens per step measured by the bench run "
@@ -222,6 +266,33 @@ def measure(args) -> dict:
         }
     result["measure_s"] = time.perf_counter() - start
     return result
+
+
+def llama_cpp_inputs(directory: Path, target: str) -> tuple[Path, Path]:
+    """llama-bench in `directory` and the GGUF file the registry converted `target` from; stops with what to do
+    when either is missing."""
+    try:
+        return find_tools(directory, ("llama-bench",)), registry_gguf(target)
+    except (LookupError, FileNotFoundError) as exc:
+        raise SystemExit(f"step_costs: {exc}") from None
+
+
+def llama_cpp_rows(
+    tools: Path, gguf: Path, lengths: list[int], prefill_lengths: list[int], reps: int
+) -> tuple[dict, dict]:
+    """llama-bench's ms per pass of each length and per generated token on `gguf`, on our passes' threads and
+    `reps` times each; and its tokens/s over a prefill of each of `prefill_lengths` and LLAMA_CPP_PREFILL."""
+    threads = torch.get_num_threads()
+    prefills = sorted({LLAMA_CPP_PREFILL, *prefill_lengths})
+    costs = llama_bench(tools, gguf, threads, sorted({*lengths, *prefills}), LLAMA_CPP_GENERATED, reps)
+    rows = {
+        "label": f"llama-bench (its medians): pass_ms is its pp k, a pass over an empty cache (ours: over --context "
+        f"tokens); token_ms its tg {LLAMA_CPP_GENERATED} per token",
+        "build": str(tools.resolve()), "build_commit": costs.build_commit, "cpu_info": costs.cpu_info,
+        "gguf": str(gguf), "threads": threads,
+        "pass_ms": {k: costs.pass_ms[k] for k in lengths}, "token_ms": costs.token_ms,
+    }
+    return rows, {n: 1e3 * n / costs.pass_ms[n] for n in prefills}
 
 
 def _device_name(device: torch.device) -> str:
@@ -240,6 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--acceptance", type=Path, help="a bench run's results.json: price its methods at these costs")
+    parser.add_argument("--prefill", default="", help="comma-separated prompt lengths: tokens/s of a prefill of each")
+    parser.add_argument(
+        "--llama-cpp", type=Path, metavar="DIR",
+        help="add llama.cpp's figures from llama-bench in DIR (python -m specdec_tools.bench.llama_cpp build DIR) on "
+        f"the GGUF file of --config's target: pp of each length, tg {LLAMA_CPP_GENERATED} and the prefills "
+        f"(pp{LLAMA_CPP_PREFILL} always), on the same threads",
+    )
     args = parser.parse_args(argv)
     result = measure(args)
     measurement.report(result, args.out, __spec__.name, argv)

@@ -1,8 +1,9 @@
-"""llama.cpp reference rows: reading the tools' own timings, and finding the tools.
+"""llama.cpp reference rows: reading the tools' own timings, finding the tools, and what builds them.
 
 The logs are what this version's tools printed here (llama.cpp vendored in
 llama-cpp-python 0.3.36), trimmed to their summaries; lookup.log is written from
 llama-lookup's summary format (examples/lookup/lookup.cpp) with made-up figures.
+bench.json is llama-bench's whole `-o json` output, untrimmed.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import pytest
 from specdec_cli.main import main
 from specdec_tools.bench.llama_cpp import (
     LlamaCpp,
+    cmake_flags,
     find_tools,
     parse_completion,
+    parse_llama_bench,
     parse_speculative,
 )
 
@@ -36,6 +39,30 @@ def test_speculative_timings_and_acceptance_are_read_from_its_summary():
     timing = parse_speculative((LOGS / "speculative.log").read_text(), "text")
     assert (timing.new_tokens, timing.drafted, timing.accepted) == (27, 30, 21)  # not n_draft = 5, the gamma
     assert timing.prefill_s == pytest.approx(1.19) and timing.decode_s == pytest.approx(10.249)
+
+
+def test_llama_bench_json_gives_the_median_ms_of_each_pass_and_of_a_generated_token():
+    # llama-bench -p 1,2,8,512 -n 4 -r 3 -o json on SmolLM2's GGUF: the middle of each test's three samples_ns
+    # (not its avg_ns); pp k is one pass of k tokens, tg 4 four one-token passes.
+    costs = parse_llama_bench((LOGS / "bench.json").read_text())
+    assert costs.pass_ms == pytest.approx({1: 22.447285, 2: 27.629871, 8: 72.581905, 512: 3873.64225})
+    assert costs.token_ms == pytest.approx(87.729478 / 4)
+    assert costs.build_commit == "0c1e570" and costs.cpu_info == "Intel(R) Xeon(R) Processor"
+
+
+def test_the_avx2_build_leaves_every_extension_past_avx2_off_and_native_leaves_amx_off():
+    native, avx2 = cmake_flags("native"), cmake_flags("avx2")
+    assert "-DGGML_NATIVE=ON" in native and "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in native
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"} <= set(avx2)
+    switched_on = [flag for flag in avx2 if flag.endswith("=ON")]
+    assert not [flag for flag in switched_on if "AVX512" in flag or "VNNI" in flag or "AMX" in flag]
+    # ggml's options past AVX2 (ggml/CMakeLists.txt), each named off rather than left to ggml's defaults
+    assert {f"-DGGML_{option}=OFF" for option in ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16",
+                                                  "AMX_TILE", "AMX_INT8", "AMX_BF16")} <= set(avx2)
+    for flags in (native, avx2):
+        assert {"-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"} <= set(flags)
+    with pytest.raises(ValueError, match="one of native, avx2"):
+        cmake_flags("avx512")
 
 
 def test_a_log_without_timings_stops_with_the_log():

@@ -16,7 +16,9 @@ from specdec_core.control import Controller
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine
+from specdec_core.models.catalogue import REGISTRY
 from specdec_core.models.loading import eos_ids, load_runner
+from specdec_core.models.paths import gguf_path
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.static_cache import StaticCache
 from specdec_core.models.static_runner import (
@@ -37,6 +39,7 @@ from .helpers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/benchmarks/qwen2.5-coder-1.5b-int4-workloads-t0/results.json"
+LLAMA_BENCH_JSON = ROOT / "tests/data/llama_cpp/bench.json"  # what llama-bench -p 1,2,8,512 printed
 
 
 def config(step: str, drafter: str = "ngram") -> Config:
@@ -93,13 +96,14 @@ def test_padded_passes_cover_every_length_up_to_the_longest():
 def test_the_step_costs_script_runs_on_the_cpu_with_tiny_shapes(tmp_path):
     out = tmp_path / "step-costs.json"
     step_costs.main(["--shapes", "tiny-random-qwen2", "--draft-shapes", "tiny-random-llama", "--device", "cpu",
-                     "--dtype", "fp32", "--lengths", "1,2,4", "--reps", "2", "--context", "16",
+                     "--dtype", "fp32", "--lengths", "1,2,4", "--reps", "2", "--context", "16", "--prefill", "8,32",
                      "--acceptance", str(RESULTS), "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["random_weights"] and result["command"].startswith("python -m specdec_tools.step_costs")
     for step in ("eager", "static", "compiled"):
         assert set(result["pass_ms"][step]) == {"1", "2", "4"} and all(ms > 0 for ms in result["pass_ms"][step].values())
         assert result["draft_step_ms"]["draft-model"][step] > 0
+        assert set(result["prefill_tokens_per_s"][step]) == {"8", "32"}
     assert result["draft_step_ms"]["eagle"] > 0 and result["draft_step_ms"]["medusa"] > 0
     methods = {row["method"]: row for row in result["expected"]["methods"]}
     assert {"ngram", "suffix"} <= set(methods) and "plain" not in methods
@@ -124,6 +128,45 @@ def test_the_step_costs_script_refuses_unknown_shapes_and_steps():
         step_costs.main(["--shapes", "no-such-model", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--steps takes"):
         step_costs.main(["--shapes", "tiny-random-qwen2", "--steps", "eager,turbo", "--device", "cpu"])
+
+
+def fake_llama_bench(directory: Path) -> Path:
+    """A stand-in for llama-bench that prints what the real one printed (LLAMA_BENCH_JSON) and keeps its
+    arguments in directory/args."""
+    directory.mkdir()
+    tool = directory / "llama-bench"
+    tool.write_text(f"#!/bin/sh\necho \"$@\" > '{directory / 'args'}'\ncat '{LLAMA_BENCH_JSON}'\n")
+    tool.chmod(0o755)
+    return directory
+
+
+def test_the_step_costs_script_adds_llama_cpps_rows_on_the_targets_gguf(tmp_path, smollm2_dir):
+    tools = fake_llama_bench(tmp_path / "llama.cpp")
+    out = tmp_path / "step-costs.json"
+    step_costs.main(["--config", str(ROOT / "configs/smollm2.yaml"), "--steps", "eager", "--lengths", "1,2",
+                     "--reps", "1", "--context", "16", "--prefill", "8", "--llama-cpp", str(tools), "--out", str(out)])
+    result = json.loads(out.read_text())
+    given = (tools / "args").read_text().split()
+    flags = dict(zip(given[::2], given[1::2]))
+    # Our passes' lengths, the prefills and pp512, on our threads and reps, on the GGUF smollm2 was converted from.
+    assert flags == {"-m": str(gguf_path(REGISTRY["smollm2-135m"].gguf_file)), "-t": str(torch.get_num_threads()),
+                     "-p": "1,2,8,512", "-n": str(step_costs.LLAMA_CPP_GENERATED), "-r": "1", "-o": "json"}
+    llama_cpp = result["llama_cpp"]
+    assert llama_cpp["build"] == str(tools.resolve()) and llama_cpp["build_commit"]  # which build made the rows
+    assert set(llama_cpp["pass_ms"]) == {"1", "2"} == set(result["pass_ms"]["eager"]) and llama_cpp["token_ms"] > 0
+    assert set(result["prefill_tokens_per_s"]) == {"eager", "llama.cpp"}
+    assert set(result["prefill_tokens_per_s"]["llama.cpp"]) == {"8", "512"}
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_step_costs_script_says_what_llama_cpp_rows_need(tmp_path):
+    with pytest.raises(SystemExit, match="--llama-cpp runs the GGUF file of --config's target"):
+        step_costs.main(["--shapes", "tiny-random-qwen2", "--device", "cpu", "--llama-cpp", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"no llama.cpp tools \(llama-bench\).*specdec_tools.bench.llama_cpp build"):
+        step_costs.main(["--config", str(ROOT / "configs/tiny-random.yaml"), "--llama-cpp", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs registry models"):
+        step_costs.main(["--config", str(ROOT / "configs/tiny-random.yaml"),
+                         "--llama-cpp", str(fake_llama_bench(tmp_path / "llama.cpp"))])
 
 
 SMOLLM2_INT4 = ModelConfig(target="smollm2-135m", dtype="bf16", weights="int4", device="cpu")

@@ -306,28 +306,16 @@ def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
     """llama.cpp's tools on the GGUF files our registry converted the config's models from."""
     if not args.llama_cpp:
         return None
-    from specdec_core.models.catalogue import REGISTRY
-    from specdec_core.models.paths import gguf_path
+    from .llama_cpp import LlamaCpp, find_tools, registry_gguf
 
-    from .llama_cpp import LlamaCpp, find_tools
-
-    def gguf(name: str) -> Path:
-        if name not in REGISTRY:
-            raise SystemExit(f"specdec bench: --llama-cpp needs registry models (their GGUF files); {name!r} is not one")
-        path = gguf_path(REGISTRY[name].gguf_file)
-        if not path.is_file():
-            raise SystemExit(f"specdec bench: {path} is missing; run: specdec pull {name}")
-        return path
-
+    spec = config.speculation
     try:
         tools = find_tools(args.llama_cpp)
-    except FileNotFoundError as exc:
+        target = registry_gguf(config.model.target)
+        draft = registry_gguf(spec.draft_model) if spec.draft_model else None
+    except (LookupError, FileNotFoundError) as exc:
         raise SystemExit(f"specdec bench: {exc}") from None
-    spec = config.speculation
-    return LlamaCpp(
-        tools, gguf(config.model.target), gguf(spec.draft_model) if spec.draft_model else None,
-        threads=config.model.threads or os.cpu_count() or 1, gamma=spec.gamma_max,
-    )
+    return LlamaCpp(tools, target, draft, threads=config.model.threads or os.cpu_count() or 1, gamma=spec.gamma_max)
 
 
 def _summary_line(rec: dict) -> str:

@@ -1,11 +1,13 @@
 """llama.cpp as reference rows in `specdec bench --llama-cpp DIR`: the peer to beat on CPUs.
 
-    python -m specdec_tools.bench.llama_cpp build DIR    # once: pinned sdist -> DIR/bin/llama-*
+    python -m specdec_tools.bench.llama_cpp build DIR [--isa native|avx2]    # once: pinned sdist -> DIR/bin/llama-*
 
 The tools are built from the llama.cpp source vendored in the llama-cpp-python
 sdist on PyPI (pinned by hash; nothing is installed or committed). GCC 12's
 AMX header drops the tile-config setup, so a native build crashes with SIGILL
 on any batch above one token: AMX is switched off (see ../shared/MODELS.md).
+--isa avx2 builds for AVX2 alone (no AVX-512, AVX-VNNI or AMX), the peer of our
+AVX2 kernel path (SPECDEC_ISA=avx2) when both run on an AVX-512 machine.
 
 The bench runs them on the registry's own GGUF files (the Q4 weights our
 models are converted from) with the same prompt text, and reads their own
@@ -13,13 +15,16 @@ timings: llama-completion for plain decoding, llama-speculative-simple for
 llama.cpp's speculative decoding with the registry's draft model, and
 llama-lookup for its n-gram cache drafting (prompt lookup plus a dynamic
 cache of earlier generations, kept in one file across the bench's requests:
-llama.cpp's own cross-request memory, emptied where ours is).
+llama.cpp's own cross-request memory, emptied where ours is). step_costs runs
+llama-bench on the same GGUF files for llama.cpp's cost per pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -27,15 +32,38 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec_core.models.catalogue import REGISTRY
+from specdec_core.models.paths import gguf_path
+
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-bench")
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-bench", "llama-server")
 KINDS = ("plain", "speculative", "lookup")  # what LlamaCpp.generate runs
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+ISA_FLAGS = {
+    # AMX off for GCC 12's header (the module docstring)
+    "native": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
+    # Every x86 extension past AVX2 named off, whatever the host has: ggml's defaults could change under us.
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_BMI2=ON",
+             "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+             "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF"],
+}
 
 
-def build(dest: Path, jobs: int = 2) -> Path:
-    """Download the pinned sdist, build the tools into dest/bin; returns that directory. Shows the build's progress."""
+def cmake_flags(isa: str) -> list[str]:
+    """cmake's options for a Release build of the tools for `isa` (ISA_FLAGS)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"llama.cpp builds for one of {', '.join(ISA_FLAGS)}, not {isa!r}")
+    return ["-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF"]  # else llama-server's build downloads its web UI, unpinned; the API needs none
+
+
+def build(dest: Path, isa: str = "native", jobs: int = 2) -> Path:
+    """Download the pinned sdist, build the tools for `isa` into dest/bin; returns that directory. Shows the
+    build's progress."""
+    flags = cmake_flags(isa)  # an unknown ISA stops before the download
     dest = dest.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         requirement = Path(tmp) / "requirements.txt"
@@ -50,12 +78,7 @@ def build(dest: Path, jobs: int = 2) -> Path:
             sdist.extractall(tmp, filter="data")
         (source,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
         build_dir = Path(tmp) / "build"
-        subprocess.run(
-            ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-             "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
-             "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
-            check=True,
-        )
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *flags], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS], check=True)
         bin_dir = dest / "bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
@@ -64,15 +87,62 @@ def build(dest: Path, jobs: int = 2) -> Path:
     return bin_dir
 
 
-def find_tools(directory: Path) -> Path:
-    """The directory holding the tools: DIR itself or DIR/bin; says how to build them when missing."""
+def find_tools(directory: Path, needed: tuple[str, ...] = TOOLS[:2]) -> Path:
+    """The directory holding the `needed` tools: DIR itself or DIR/bin; says how to build them when missing."""
     for candidate in (directory, directory / "bin"):
-        if all((candidate / tool).is_file() for tool in TOOLS[:2]):
+        if all((candidate / tool).is_file() for tool in needed):
             return candidate
     raise FileNotFoundError(
-        f"no llama.cpp tools ({', '.join(TOOLS[:2])}) in {directory} or {directory / 'bin'}; "
+        f"no llama.cpp tools ({', '.join(needed)}) in {directory} or {directory / 'bin'}; "
         f"build them with: python -m specdec_tools.bench.llama_cpp build {directory}"
     )
+
+
+def registry_gguf(name: str) -> Path:
+    """The GGUF file the registry converted model `name` from; says how to pull it when missing."""
+    if name not in REGISTRY:
+        raise LookupError(f"--llama-cpp needs registry models (their GGUF files); {name!r} is not one")
+    path = gguf_path(REGISTRY[name].gguf_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; run: specdec pull {name}")
+    return path
+
+
+@dataclass
+class BenchCosts:
+    """llama-bench's figures, medians over its repetitions (as step_costs takes ours)."""
+
+    pass_ms: dict[int, float]  # a prompt pass of k tokens over an empty cache (its test pp k)
+    token_ms: float  # a generated token, one-token passes over a growing cache (its test tg n)
+    build_commit: str
+    cpu_info: str
+
+
+def parse_llama_bench(text: str) -> BenchCosts:
+    """llama-bench's `-o json` output: its pp tests and its one tg test."""
+    tests = json.loads(text)
+    (generation,) = [test for test in tests if test["n_gen"]]
+    return BenchCosts(
+        {test["n_prompt"]: _median_ms(test) for test in tests if not test["n_gen"]},
+        _median_ms(generation) / generation["n_gen"], generation["build_commit"], generation["cpu_info"],
+    )
+
+
+def _median_ms(test: dict) -> float:
+    return statistics.median(test["samples_ns"]) / 1e6
+
+
+def llama_bench(
+    tools: Path, model: Path, threads: int, prompt_lengths: list[int], gen_tokens: int, reps: int
+) -> BenchCosts:
+    """Run llama-bench on `model`: passes of each of `prompt_lengths` tokens, and `gen_tokens` tokens generated,
+    each `reps` times."""
+    cmd = [str(tools / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", ",".join(map(str, prompt_lengths)),
+           "-n", str(gen_tokens), "-r", str(reps), "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"llama-bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return parse_llama_bench(done.stdout)
 
 
 @dataclass
@@ -187,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build_parser = commands.add_parser("build", help="build llama.cpp's tools from the pinned PyPI sdist")
     build_parser.add_argument("dest", type=Path, help="directory to put bin/ in")
+    build_parser.add_argument(
+        "--isa", choices=list(ISA_FLAGS), default="native",
+        help="native: this CPU's extensions but AMX; avx2: AVX2 alone, a peer of our AVX2 path on any x86 host",
+    )
     build_parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     args = parser.parse_args(argv)
-    print(f"llama.cpp tools in {build(args.dest, args.jobs)}")
+    print(f"llama.cpp tools in {build(args.dest, args.isa, args.jobs)}")
     return 0
 
 
