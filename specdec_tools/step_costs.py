@@ -30,6 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdec_core.config import Config
+from specdec_core.models import vnni
 from specdec_core.models.eagle_net import EagleNet
 from specdec_core.models.loading import load_runner
 from specdec_core.models.medusa_heads import MedusaHeads, head_logits
@@ -248,7 +249,7 @@ def measure(args) -> dict:
     drafts = draft_costs(target, draft, steps, args.context, args.reps)
     prefills = prefill_rates(runners, prefill_lengths, args.reps) if prefill_lengths else {}
     result = {
-        **what, "device": str(target.device), "device_name": _device_name(target.device),
+        **what, "kernel_family": vnni.family(), "device": str(target.device), "device_name": _device_name(target.device),
         "row_invariant": target.row_invariant, "context": args.context, "reps": args.reps,
         "pass_ms": passes, "draft_step_ms": drafts,
         "verify_over_plain": {step: {k: ms / by_k[lengths[0]] for k, ms in by_k.items()} for step, by_k in passes.items()},

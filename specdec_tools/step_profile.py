@@ -21,8 +21,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from specdec_core.config import Config
-from specdec_core.models import static_runner
+from specdec_core.models import static_runner, step_ops
 from specdec_core.models.loading import load_runner
+from specdec_core.models.quant import fused_projections
 from specdec_core.models.runner import ModelRunner
 
 from . import measurement
@@ -32,6 +33,8 @@ UNTRACED = "python (no op)"
 # Module names (the last part of a submodule's path) whose forward is one part of the table.
 MODULE_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
                 "input_layernorm", "post_attention_layernorm", "norm", "act_fn", "embed_tokens", "lm_head", "rotary_emb")
+LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "lm_head")
+FUSED_PARTS = ("qkv_proj", "gate_up_proj")  # the static step's fused projections (quant.fused_projections), per layer
 # Functions the static pass calls by name, each one part of the table.
 FUNCTION_PARTS = ("apply_rotary_pos_emb", "attend_rows")
 
@@ -40,7 +43,8 @@ FUNCTION_PARTS = ("apply_rotary_pos_emb", "attend_rows")
 def labelled(runner: ModelRunner) -> Iterator[None]:
     """Each of MODULE_PARTS' forwards and FUNCTION_PARTS' calls inside a profiler range of its name."""
     handles = []
-    for path, module in runner.model.named_modules():
+    fused = [(name, module) for pair in fused_projections(runner.model) for name, module in zip(FUSED_PARTS, pair) if module]
+    for path, module in [*runner.model.named_modules(), *fused]:
         name = path.rpartition(".")[2]
         if name not in MODULE_PARTS:
             continue
@@ -56,6 +60,8 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
     originals = {name: getattr(static_runner, name) for name in FUNCTION_PARTS}
     for name, function in originals.items():
         setattr(static_runner, name, _in_range(name, function))
+    for_pass = step_ops.for_pass
+    step_ops.for_pass = lambda hidden: _LabelledOps(ops) if (ops := for_pass(hidden)) else None
     try:
         yield
     finally:
@@ -63,6 +69,17 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
             handle.remove()
         for name, function in originals.items():
             setattr(static_runner, name, function)
+        step_ops.for_pass = for_pass
+
+
+class _LabelledOps:
+    """The static step's fused ops (step_ops), each call inside a profiler range of the op's name."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name: str) -> Callable:
+        return _in_range(name, getattr(self.ops, name))
 
 
 def _in_range(name: str, function: Callable) -> Callable:
@@ -130,6 +147,9 @@ def table(results: dict) -> str:
     header = "| part | " + " | ".join(f"k={k}: ms (share)" for k in lengths) + " |"
     lines = [header, "|---|" + "---|" * len(lengths)]
     lines.append("| whole pass, unprofiled | " + " | ".join(f"{results[k]['pass_ms']:.2f}" for k in lengths) + " |")
+    linear = {k: sum(results[k]["parts_ms"].get(name, 0.0) for name in LINEAR_PARTS) / results[k]["profiled_pass_ms"] for k in lengths}
+    lines.append("| its linear layers, summed (the pass over them) | " + " | ".join(
+        f"{linear[k] * results[k]['pass_ms']:.2f} ({1 / linear[k]:.2f}x)" if linear[k] else "-" for k in lengths) + " |")
     for name in names:
         cells = []
         for k in lengths:

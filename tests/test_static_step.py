@@ -205,17 +205,20 @@ def test_negative_control_sdpa_over_the_whole_capacity_changes_the_text(smollm2_
     assert greedy_texts(StaticRunner.of(smollm2_int4, compiled=False, pad=True)) != greedy_texts(smollm2_int4)
 
 
-def test_the_step_profile_accounts_for_every_part_of_the_pass(tmp_path):
-    """step_profile splits a static pass into its layers' parts and the time no op covers, and the parts add up
-    to the profiled pass."""
+@pytest.mark.parametrize("step,parts", [("eager", {"input_layernorm"}), ("static", {"add_rms_norm", "rotate_and_cache"})])
+def test_the_step_profile_accounts_for_every_part_of_the_pass(step, parts, tmp_path):
+    """step_profile splits a pass into its layers' parts (the static step's fused ops among them) and the time no op
+    covers, the parts add up to the profiled pass, and the table sums the linear layers."""
     from specdec_tools import step_profile
 
+    config = tmp_path / "tiny.yaml"
+    config.write_text((ROOT / "configs/tiny-random.yaml").read_text().replace("  device: auto", f"  device: auto\n  step: {step}"))
     out = tmp_path / "profile.json"
-    step_profile.main(["--config", "configs/tiny-random.yaml", "--lengths", "1,4", "--context", "16", "--reps", "2",
-                       "--out", str(out)])
+    step_profile.main(["--config", str(config), "--lengths", "1,4", "--context", "16", "--reps", "2", "--out", str(out)])
     result = json.loads(out.read_text())
     for k in ("1", "4"):
         passes = result["passes"][k]
-        assert {"q_proj", "down_proj", "input_layernorm", step_profile.UNTRACED} <= set(passes["parts_ms"])
+        assert {"q_proj", "down_proj", step_profile.UNTRACED} | parts <= set(passes["parts_ms"])
         assert sum(passes["parts_ms"].values()) == pytest.approx(passes["profiled_pass_ms"], rel=1e-6)
-    assert out.with_suffix(".md").read_text().startswith("| part |")
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("| part |") and "| its linear layers, summed" in table
