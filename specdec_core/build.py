@@ -10,6 +10,7 @@ from .engine import Engine
 from .models.loading import eos_ids, load_runner
 from .models.runner import ModelRunner
 from .models.static_runner import on_step
+from .prefix_cache import PrefixCache
 
 
 def build_drafter(config: Config, target: ModelRunner, drafter: str | None = None) -> Drafter | None:
@@ -31,4 +32,10 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     target = on_step(target, config.model.step) if target else load_runner(config.model.target, config.model)
     spec = config.speculation
     controller = Controller(gamma_max=spec.gamma_max, fixed_gamma=spec.gamma, max_speculative_batch=spec.max_speculative_batch)
-    return Engine(target, build_drafter(config, target, drafter), controller, eos_ids(target), spec.unseeded_rule)
+    chosen = build_drafter(config, target, drafter)
+    prefill = config.prefill
+    cache = None
+    if prefill.cache:
+        block_bytes = prefill.chunk_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
+        cache = PrefixCache(prefill.chunk_tokens, prefill.cache_bytes, block_bytes)
+    return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, prefill.chunk_tokens, cache)

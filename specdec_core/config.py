@@ -119,6 +119,14 @@ class SpeculationConfig(Section):
     distilled: DistilledConfig = Field(default_factory=DistilledConfig, description="Distilled student: the target's first k layers and a trained adapter (early_exit applies)")
 
 
+class PrefillConfig(Section):
+    # By measurement (docs/NOTES.md, "The prefix cache and chunked prefill"): on the 1.5B int4 target at 2 threads
+    # a 2,048-token prompt prefilled in chunks of 256 took 1.26x its one-pass time, each chunk about 0.8 s.
+    chunk_tokens: int = Field(256, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks, and the prefix cache keeps whole chunks (smaller bounds the stall, larger prefills faster)")
+    cache: bool = Field(True, description="Keep prefilled chunks' keys and values (the prefix cache), so a prompt that begins as an earlier one did prefills only the rest, with the same text as without")
+    cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used chunks leave first")
+
+
 class Config(Section):
     """The runtime's sections of a config file. The file also holds the server's (server/settings.py), which
     the runtime and the tools leave alone: `specdec serve` validates the whole file, unknown sections too."""
@@ -127,6 +135,7 @@ class Config(Section):
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="The target model")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Drafting and control")
+    prefill: PrefillConfig = Field(default_factory=PrefillConfig, description="Chunked prefill and the prefix cache")
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":

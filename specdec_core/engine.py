@@ -25,6 +25,7 @@ import torch
 from .control import Controller
 from .drafters.base import Drafter, Proposal
 from .models.runner import BatchCache, ModelRunner
+from .prefix_cache import Block, PrefixCache
 from .sampling import (
     PositionNoise,
     greedy_tokens,
@@ -83,6 +84,27 @@ class Verdict:
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
 
+@dataclass
+class Admission:
+    """A sequence being prefilled, chunk by chunk, before it joins the batch."""
+
+    seq: Sequence
+    row: BatchCache  # or a StaticCache: one row, the target runner's kind
+    ids: list[int]  # what is prefilled: every token of the sequence but its last
+    want_logits: bool = False
+    done: int = 0  # tokens of ids in the row so far
+    cached: int = 0  # of which the prefix cache gave
+    keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of ids' whole chunks
+    logits: list[torch.Tensor] = field(default_factory=list)  # each chunk's pass's
+    hidden: list[torch.Tensor | None] = field(default_factory=list)  # each block's or chunk's features, when read
+
+    def prompt_logits(self) -> torch.Tensor | None:
+        """The prompt's logits [len(ids), V], when they were asked for."""
+        if not self.want_logits:
+            return None
+        return torch.cat(self.logits) if self.logits else torch.zeros(0, 0)  # a one-token prompt's: none
+
+
 SAMPLING_RULES = ("gumbel", "rejection")
 
 
@@ -94,7 +116,7 @@ class Engine:
 
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
-        unseeded_rule: str = "rejection",
+        unseeded_rule: str = "rejection", chunk_tokens: int = 256, prefix_cache: PrefixCache | None = None,
     ):
         if unseeded_rule not in SAMPLING_RULES:
             raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
@@ -104,6 +126,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.unseeded_rule = unseeded_rule
         self.cache = target.new_cache()
+        self.chunk_tokens = chunk_tokens
+        self.prefix_cache = prefix_cache
+        self.chunks = 0  # prefill passes run, for metrics
         self.seqs: list[Sequence] = []
         if drafter:
             drafter.attach(self.cache)
@@ -118,9 +143,68 @@ class Engine:
         return self.drafter.name if self.drafter else "none"
 
     def add(self, seq: Sequence, prompt_logits: bool = False) -> torch.Tensor | None:
-        """Prefill a new sequence into the batch; with prompt_logits, returns the prompt's logits [len-1, V]."""
+        """Prefill a new sequence into the batch, all its chunks at once; with prompt_logits, returns the prompt's
+        logits [len-1, V]."""
+        admission = self.begin(seq, prompt_logits)
+        while not self.advance(admission):
+            pass
+        return admission.prompt_logits()
+
+    def begin(self, seq: Sequence, prompt_logits: bool = False) -> Admission:
+        """Start a new sequence's prefill: its cached prefix, if any, is in place; `advance` prefills the rest, a
+        chunk a call. A request for the prompt's logits (echo with logprobs) prefills the whole prompt: the cache
+        keeps keys and values, not logits."""
         if not seq.prompt_ids:
             raise ValueError("a prompt needs at least one token")
+        ids = seq.tokens[:-1]
+        row = self.target.new_cache()
+        row.reserve(1, len(ids))  # the row's capacity is set once: every chunk's pass sees the same cache layout
+        admission = Admission(seq, row, ids, want_logits=prompt_logits)
+        cache = self.prefix_cache
+        if cache is not None and cache.fits(len(ids), seq.request_id):
+            admission.keys = cache.keys(ids, seq.cache_namespace)
+            for block in [] if prompt_logits else cache.lookup(admission.keys):
+                row.write_span(block.keys, block.values)
+                admission.hidden.append(block.hidden)
+            admission.done = admission.cached = int(row.lengths[0])
+            cache.counts.hit_tokens += admission.cached
+            cache.counts.miss_tokens += len(ids) - admission.cached
+        seq.cached_tokens = admission.cached
+        return admission
+
+    def advance(self, admission: Admission) -> bool:
+        """Prefill the admission's next chunk; once its prompt is all in, it joins the batch. True when it has."""
+        ids, start = admission.ids, admission.done
+        end = min(start + self.chunk_tokens, len(ids))
+        if end > start:
+            chunk = torch.tensor([ids[start:end]], device=self.target.device)
+            logits, hidden = self.target.forward(
+                admission.row, chunk, commit=True, last_logits_only=not admission.want_logits,
+                hidden_states=self.wants_features,
+            )
+            admission.logits.append(logits[0])
+            if hidden is not None:
+                admission.hidden.append(hidden[-1][0])
+            admission.done = end
+            self.chunks += 1
+            self._keep_chunk(admission, start, end)
+        if admission.done < len(ids):
+            return False
+        self._join(admission)
+        return True
+
+    def _keep_chunk(self, admission: Admission, start: int, end: int) -> None:
+        """Put a whole chunk just prefilled into the prefix cache (a prompt's partial last chunk stays out)."""
+        index = start // self.chunk_tokens
+        if self.prefix_cache is None or index >= len(admission.keys) or end - start != self.chunk_tokens:
+            return
+        keys, values = admission.row.read_span(start, end)
+        hidden = admission.hidden[-1] if self.wants_features else None
+        self.prefix_cache.insert(admission.keys[index], Block(keys.clone(), values.clone(), hidden))
+
+    def _join(self, admission: Admission) -> None:
+        """A prefilled sequence joins the batch, and its drafter's rows."""
+        seq = admission.seq
         seq.stats.method = self.method
         seq.generator = seq.generator or make_generator(seq.params.seed, self.target.device)
         if not seq.params.greedy and (seq.params.seed is not None or self.unseeded_rule == "gumbel"):
@@ -130,18 +214,19 @@ class Engine:
             seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
             for token in seq.output_ids:
                 seq.counts[token] += 1
-        features = self.wants_features
-        row, logits, hidden = self.target.prefill(seq.tokens[:-1], all_logits=prompt_logits, features=features)
-        self.cache.append(row)
+        features = None
+        if self.wants_features:
+            hidden = admission.hidden or [torch.zeros(0, self.target.config.hidden_size, dtype=self.target.dtype, device=self.target.device)]
+            features = torch.cat(hidden)
+        self.cache.append(admission.row)
         if self.drafter:
             try:
-                self.drafter.add(seq, hidden)
+                self.drafter.add(seq, features)
             except BaseException:
                 # Take the row back: a cache row no sequence owns would break every later step.
                 self.cache.keep_rows(list(range(len(self.seqs))))
                 raise
         self.seqs.append(seq)
-        return logits if prompt_logits else None
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Drop sequences from the batch (finished, cancelled or disconnected)."""

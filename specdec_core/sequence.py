@@ -42,6 +42,7 @@ class Sequence:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     client: str | None = None  # who asked (API key hash, else address): the suffix drafter's memory is per client
+    cache_namespace: str = ""  # whose prefix cache it reads and fills: its API key's and its cache_salt's
     top_logprobs: int | None = None  # None: no logprobs; k: the target's logprob plus its top k
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
@@ -51,6 +52,7 @@ class Sequence:
     noise: PositionNoise | None = None  # sampled rows under the Gumbel rule: draws keyed by position
     counts: torch.Tensor | None = None  # [V] output token counts, only when penalties need them
     stats: SpecStats = field(default_factory=SpecStats)
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (usage.prompt_tokens_details.cached_tokens)
 
     @property
     def tokens(self) -> list[int]:

@@ -184,6 +184,21 @@ class BatchCache:
         self.lengths = self.lengths + keep.sum(dim=1)
         self.compact()
 
+    def read_span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-row prefill's keys and values at positions start..end-1 (its slots are its positions), every
+        layer: [L, Hkv, end - start, d] each."""
+        layers = _layers(self.kv)
+        return torch.stack([la.keys[0, :, start:end] for la in layers]), torch.stack([la.values[0, :, start:end] for la in layers])
+
+    def write_span(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append keys and values [L, Hkv, n, d] (`read_span`'s) to a one-row cache, as a pass over them would."""
+        self.reserve(1, 0)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.kv.update(k[None], v[None], layer)
+        n = keys.shape[2]
+        self.valid = torch.cat([self.valid, torch.ones(1, n, dtype=torch.bool, device=self.device)], dim=1)
+        self.lengths = self.lengths + n
+
     def drop_pending(self) -> None:
         """Cut every layer back to the cache's slots, undoing what a pass of some layers appended (a view: no copy)."""
         for layer in _layers(self.kv):
@@ -205,6 +220,15 @@ class ModelRunner:
         # Whether passes can be row-invariant: every linear layer a quantized CPU kernel and the attention
         # kernel built (loading.py sets it).
         self.row_invariant = False
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+
+    def token_bytes(self, features: bool) -> int:
+        """Bytes one position's keys and values take in every layer, plus its hidden state with `features`."""
+        size = torch.finfo(self.dtype).bits // 8
+        return size * (2 * self.num_layers * self.config.num_key_value_heads * self.head_dim + features * self.config.hidden_size)
 
     @classmethod
     def of(cls, runner: ModelRunner, **options) -> ModelRunner:

@@ -130,6 +130,19 @@ class StaticCache:
         self.lengths = self.lengths + keep.sum(1)
         self.pending = 0
 
+    def read_span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-row cache's keys and values at positions start..end-1, every layer: [L, Hkv, end - start, d] each."""
+        return (torch.stack([k[0, :, start:end] for k in self.keys]), torch.stack([v[0, :, start:end] for v in self.values]))
+
+    def write_span(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append keys and values [L, Hkv, n, d] (`read_span`'s) to a one-row cache's committed positions."""
+        start, n = int(self.lengths[0]), keys.shape[2]
+        self.reserve(1, start + n)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.keys[layer][0, :, start : start + n] = k
+            self.values[layer][0, :, start : start + n] = v
+        self.lengths = self.lengths + n
+
     def drop_last(self, counts: list[int]) -> None:
         """Roll back the last counts[i] committed tokens of row i."""
         self.lengths = self.lengths - torch.tensor(counts, dtype=torch.long, device=self.device)

@@ -136,9 +136,7 @@ class StaticRunner(ModelRunner):
             self._compiled_pass = torch.compile(self._pass, dynamic=True, options=options)
 
     def new_cache(self) -> StaticCache:
-        config = self.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return StaticCache.empty(self.num_layers, config.num_key_value_heads, head_dim, self.dtype, self.device)
+        return StaticCache.empty(self.num_layers, self.config.num_key_value_heads, self.head_dim, self.dtype, self.device)
 
     @torch.no_grad()
     def forward(

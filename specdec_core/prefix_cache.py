@@ -1,0 +1,114 @@
+"""The prefix cache: the target's keys and values of prompts already prefilled, kept by their tokens so that
+a conversation's next turn, an agent's next step or a shared system prompt is not prefilled again.
+
+Blocks are whole prefill chunks (`prefill.chunk_tokens` tokens, the chunk boundaries counted from position
+0), keyed by a hash chain as vLLM's automatic prefix caching keys its blocks: a block's key hashes its
+parent's key and its own tokens, and the first block's parent is the namespace, so equal keys mean equal
+prefixes within one namespace (an API key and a request's `cache_salt`). Hashed blocks rather than a radix
+tree: a lookup is one dictionary probe per block, and eviction needs no tree surgery.
+
+Why whole chunks, computed by prefill only: a prompt is always prefilled in chunks at the same boundaries,
+so a block holds exactly the numbers a cold prefill of that prompt computes for those positions, and a
+request's text is the same with the cache on or off, bit for bit. Keys and values a decode or verify pass
+wrote are computed another way (our int8 kernel and the row-invariant attention, one row at a time) and
+never enter the cache; neither does a chunk's partial tail, whose pass is shorter than a full chunk's.
+
+A hit copies its blocks into the row's own cache (a 2,000-token prefix of the 1.5B target is 57 MB, a few
+ms), so the attention keeps one contiguous cache per row, and a running row never depends on a block:
+eviction is least recently used over all blocks, the deepest first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("specdec")
+
+
+@dataclass
+class Block:
+    """One chunk of a prefix: its keys and values [L, Hkv, chunk, d] and, for drafters that read the target's
+    features, its final-normed hidden states [chunk, H]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    hidden: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nelement() * t.element_size() for t in (self.keys, self.values, self.hidden) if t is not None)
+
+
+@dataclass
+class CacheCounts:
+    """What the cache did since it started: the Prometheus counters read these."""
+
+    hit_tokens: int = 0  # prompt tokens taken from the cache
+    miss_tokens: int = 0  # prompt tokens prefilled
+    evicted_blocks: int = 0
+
+
+class PrefixCache:
+    """Blocks of `chunk_tokens` tokens under a budget of `budget_bytes`, least recently used first out."""
+
+    def __init__(self, chunk_tokens: int, budget_bytes: int, block_bytes: int):
+        if budget_bytes < block_bytes:
+            raise ValueError(f"prefill.cache_bytes {budget_bytes} holds no block: one block of {chunk_tokens} tokens "
+                             f"takes {block_bytes} bytes for this target; set at least that, or prefill.cache: false")
+        self.chunk_tokens = chunk_tokens
+        self.budget_bytes = budget_bytes
+        self.block_bytes = block_bytes
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self.bytes = 0
+        self.counts = CacheCounts()
+        self._warned_too_large = False
+
+    def keys(self, tokens: list[int], namespace: str) -> list[bytes]:
+        """The chain of keys of `tokens`' whole chunks."""
+        keys, parent = [], hashlib.sha256(namespace.encode()).digest()
+        for start in range(0, len(tokens) - self.chunk_tokens + 1, self.chunk_tokens):
+            chunk = torch.tensor(tokens[start : start + self.chunk_tokens], dtype=torch.int64).numpy().tobytes()
+            parent = hashlib.sha256(parent + chunk).digest()
+            keys.append(parent)
+        return keys
+
+    def lookup(self, keys: list[bytes]) -> list[Block]:
+        """The cached blocks of the longest cached prefix of `keys`, in order; they become the most recently used,
+        the first block last, so that a prefix's deepest blocks leave before its shared root."""
+        found = []
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        for key in reversed(keys[: len(found)]):
+            self.blocks.move_to_end(key)
+        return found
+
+    def insert(self, key: bytes, block: Block) -> None:
+        """Keep `block` under `key`, evicting the least recently used blocks to stay within the budget."""
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            return
+        while self.bytes + block.nbytes > self.budget_bytes:
+            _, old = self.blocks.popitem(last=False)
+            self.bytes -= old.nbytes
+            self.counts.evicted_blocks += 1
+        self.blocks[key] = block
+        self.bytes += block.nbytes
+
+    def fits(self, tokens: int, request_id: str) -> bool:
+        """Whether a prompt of `tokens` tokens can be cached whole; the log says once when one cannot."""
+        need = tokens // self.chunk_tokens * self.block_bytes
+        if need <= self.budget_bytes:
+            return True
+        if not self._warned_too_large:
+            log.warning("prefix cache: %s's prompt of %d tokens needs %d bytes, more than prefill.cache_bytes %d: it "
+                        "is decoded uncached (logged once)", request_id, tokens, need, self.budget_bytes)
+            self._warned_too_large = True
+        return False

@@ -1,0 +1,155 @@
+"""The prefix cache is invisible: a prompt that begins with chunks an earlier prompt prefilled takes them from
+the cache, and its keys, values, logits and text are those of a cold prefill, bit for bit, on both cache kinds
+(the eager step's slot cache and the static step's), greedy and seeded, for every drafter, in a batch of
+eight with rows joining mid-run; a perturbed block changes the text (the negative control). Eviction keeps the
+budget, namespaces keep callers apart, and a prompt larger than the budget decodes uncached."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specdec_core.build import build_engine
+from specdec_core.config import Config
+from specdec_core.control import Controller
+from specdec_core.engine import Engine
+from specdec_core.models.loading import eos_ids
+from specdec_core.models.runner import ModelRunner
+from specdec_core.models.static_runner import StaticRunner
+from specdec_core.prefix_cache import PrefixCache
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence
+
+from .helpers import (
+    decode,
+    single_thread,  # noqa: F401  (autouse: torch on one thread)
+)
+from .test_engine import TINY_TEXTS
+from .test_invisible import DRAFTERS, INT4, SETTINGS, STATIC_DRAFTERS, target  # noqa: F401  (fixture)
+
+CHUNK = 8  # tokens a chunk: the tiny prompts span several
+SYSTEM = " ".join(TINY_TEXTS)  # the shared beginning of every conversation
+
+
+@pytest.fixture(scope="module", params=["eager", "static"])
+def runner(request, target) -> ModelRunner:  # noqa: F811  (the fixture imported above)
+    return target if request.param == "eager" else StaticRunner.of(target)
+
+
+def engine_of(runner: ModelRunner, drafter=None, budget: int | None = 2**30, chunk: int = CHUNK) -> Engine:
+    """An engine whose prefills run in chunks of `chunk`, with a prefix cache of `budget` bytes (None: off)."""
+    cache = None
+    if budget is not None:
+        features = bool(drafter and drafter.uses_features)
+        cache = PrefixCache(chunk, budget, chunk * runner.token_bytes(features))
+    controller = Controller(gamma_max=4, fixed_gamma=3 if drafter else None)  # drafts every step: the test says something
+    return Engine(runner, drafter, controller, eos_ids(runner), chunk_tokens=chunk, prefix_cache=cache)
+
+
+def conversations(runner: ModelRunner, setting: str, turn: int, earlier: list[Sequence] | None = None) -> list[Sequence]:
+    """Eight rows over the shared beginning, each its own question; the second turn resends the first turn's
+    prompt and answer and asks again, as a chat client does."""
+    seqs = []
+    for i, text in enumerate(TINY_TEXTS + TINY_TEXTS[:3]):
+        prompt = runner.tokenizer.encode(f"{SYSTEM}\n{i}: {text}")
+        if earlier:
+            prompt = earlier[i].prompt_ids + earlier[i].output_ids + runner.tokenizer.encode(f"\nagain {i}:")
+        seqs.append(Sequence(f"t{turn}-{i}", prompt, SamplingParams(**SETTINGS[setting], seed=100 + i), 12 - 2 * (i % 3)))
+    return seqs
+
+
+def chat(engine: Engine, runner: ModelRunner, setting: str) -> tuple[list[list[int]], list[Sequence], list[Sequence]]:
+    """Two turns of eight conversations (half the rows joining after 2 steps); each turn's texts, then each
+    turn's sequences."""
+    first = conversations(runner, setting, 1)
+    decode(engine, first[::2], {2: first[1::2]})
+    second = conversations(runner, setting, 2, first)
+    decode(engine, second[::2], {2: second[1::2]})
+    return [seq.output_ids for seq in first + second], first, second
+
+
+def test_a_cached_prefix_gives_the_cold_prefills_keys_values_and_logits_bit_for_bit(runner):
+    prompt = runner.tokenizer.encode(SYSTEM)
+    assert len(prompt) > 3 * CHUNK
+    warm = engine_of(runner)
+    warm.add(Sequence("first", prompt[: 3 * CHUNK + 3], SamplingParams(temperature=0), 1))
+    longer = prompt + [5, 6, 7]
+    hit, cold = warm.begin(Sequence("hit", longer, SamplingParams(), 1)), engine_of(runner, budget=None).begin(
+        Sequence("cold", longer, SamplingParams(), 1))
+    assert hit.cached == 3 * CHUNK and cold.cached == 0
+    for admission, engine in ((hit, warm), (cold, warm)):
+        while admission.done < len(admission.ids):
+            engine.advance(admission)
+    assert torch.equal(hit.logits[-1], cold.logits[-1])
+    assert all(torch.equal(a, b) for a, b in zip(hit.row.read_span(0, len(longer) - 1), cold.row.read_span(0, len(longer) - 1)))
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafter", [None, "suffix", "draft-model", "eagle", "layer-skip"])
+def test_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
+    if drafter == "layer-skip" and isinstance(runner, StaticRunner):
+        pytest.skip("layer-skip drafts in the eager step's slot cache")
+    make = DRAFTERS[drafter] if drafter else (lambda target: None)
+    on = engine_of(runner, make(runner))
+    texts, first, second = chat(on, runner, setting)
+    assert texts == chat(engine_of(runner, make(runner), budget=None), runner, setting)[0]
+    # A second turn finds every whole chunk its first turn prefilled (all but the first turn's last token).
+    assert [seq.cached_tokens for seq in second] == [(len(seq.prompt_ids) - 1) // CHUNK * CHUNK for seq in first]
+    assert drafter is None or sum(seq.stats.draft_tokens for seq in second) > 0
+
+
+def test_negative_control_a_perturbed_block_changes_the_text(runner):
+    on = engine_of(runner)
+    first = conversations(runner, "greedy", 1)
+    decode(on, first)
+    for block in on.prefix_cache.blocks.values():
+        block.keys.copy_(torch.randn_like(block.keys))
+        block.values.copy_(torch.randn_like(block.values))
+    with_perturbed = conversations(runner, "greedy", 2, first)
+    decode(on, with_perturbed)
+    cold = conversations(runner, "greedy", 2, first)
+    decode(engine_of(runner, budget=None), cold)
+    assert [s.output_ids for s in with_perturbed] != [s.output_ids for s in cold]
+
+
+def test_eviction_keeps_the_budget_and_every_request_completes_with_its_uncached_text(target):  # noqa: F811
+    # Room for one conversation's blocks and a few more: eight conversations of two turns overflow it.
+    blocks = len(conversations(target, "greedy", 1)[0].prompt_ids) // CHUNK + 4
+    block = CHUNK * target.token_bytes(False)
+    small = engine_of(target, budget=blocks * block)
+    texts, *_ = chat(small, target, "greedy")
+    cache = small.prefix_cache
+    assert cache.bytes <= blocks * block and len(cache.blocks) <= blocks and cache.counts.evicted_blocks > 0
+    assert cache.counts.hit_tokens > 0
+    assert texts == chat(engine_of(target, budget=None), target, "greedy")[0]
+
+
+def test_namespaces_do_not_share_blocks(target):  # noqa: F811
+    engine = engine_of(target)
+    prompt = target.tokenizer.encode(SYSTEM)
+    for namespace, expected in (("key-a", 0), ("key-b", 0), ("key-a", len(prompt) - 1 - (len(prompt) - 1) % CHUNK)):
+        seq = Sequence(namespace, prompt, SamplingParams(temperature=0), 1, cache_namespace=namespace)
+        engine.add(seq)
+        assert seq.cached_tokens == expected
+        engine.remove([seq])
+
+
+def test_a_prompt_larger_than_the_budget_decodes_uncached_and_says_so_once(target, caplog):  # noqa: F811
+    engine = engine_of(target, budget=2 * CHUNK * target.token_bytes(False))
+    prompt = target.tokenizer.encode(SYSTEM)
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        for i in range(2):
+            seq = Sequence(f"long{i}", prompt, SamplingParams(temperature=0), 2)
+            decode(engine, [seq])
+            assert seq.cached_tokens == 0 and len(seq.output_ids) == 2
+    assert not engine.prefix_cache.blocks
+    assert sum("more than prefill.cache_bytes" in r.message for r in caplog.records) == 1
+
+
+def test_a_budget_below_one_block_is_a_config_error_naming_the_minimum():
+    config = Config.model_validate({"model": INT4.model_dump(), "speculation": {"drafter": "none"},
+                                    "prefill": {"chunk_tokens": 16, "cache_bytes": 100}})
+    with pytest.raises(ValueError, match=r"holds no block: one block of 16 tokens takes \d+ bytes"):
+        build_engine(config)
