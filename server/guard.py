@@ -20,6 +20,8 @@ from .schemas import APIError
 from .settings import SecurityConfig
 
 
+ADDRESS_PREFIX = "address:"  # a caller named by its address, where the server has no keys
+
 class Guard:
     """ASGI middleware: API key, rate budget and body size on every path but the open ones."""
 
@@ -50,7 +52,7 @@ class Guard:
 
     def _client(self, scope: Scope) -> str:
         """Who is asking: their key's short hash, or their address when the server has no keys."""
-        address = f"address:{scope['client'][0] if scope.get('client') else 'unknown'}"
+        address = f"{ADDRESS_PREFIX}{scope['client'][0] if scope.get('client') else 'unknown'}"
         if not self.keys:
             return address
         # Wrong keys spend the address's budget, so that keys cannot be guessed at network speed.

@@ -7,11 +7,14 @@ each request's token timings; a pure-ASGI middleware counts HTTP requests.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdec_core.engine import StepReport
+from specdec_core.engine import Engine, StepReport
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 ACCEPTANCE_WINDOW = 100  # speculative steps per method behind acceptance_rate
@@ -85,6 +88,10 @@ class Metrics:
             self.draft_per_position.labels(method, str(position))
             self.accepted_per_position.labels(method, str(position))
 
+    def watch_prefill(self, engine: Engine) -> None:
+        """Export the engine's prefill chunks and its prefix cache's figures, read as each scrape asks."""
+        self.registry.register(_PrefillCollector(engine))
+
     def observe_step(self, report: StepReport) -> None:
         """Record one engine step: its mode, gamma, batch size, and what was drafted and accepted."""
         self.decode_steps.labels(report.mode).inc()
@@ -110,6 +117,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefillCollector(Collector):
+    """The engine's own running counts as Prometheus series: the worker thread only adds to plain integers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("specdec_prefill_chunks", "Prefill passes run (a long prompt takes several chunks)",
+                                  value=self.engine.chunks)
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return
+        counts = cache.counts
+        for name, doc, value in (
+            ("prefix_cache_hit_tokens", "Prompt tokens the prefix cache gave", counts.hit_tokens),
+            ("prefix_cache_miss_tokens", "Prompt tokens prefilled (not in the prefix cache)", counts.miss_tokens),
+            ("prefix_cache_evicted_blocks", "Chunks the prefix cache evicted to stay within its budget", counts.evicted_blocks),
+        ):
+            yield CounterMetricFamily(f"specdec_{name}", doc, value=value)
+        yield GaugeMetricFamily("specdec_prefix_cache_bytes", "Bytes the prefix cache holds", value=cache.bytes)
+        yield GaugeMetricFamily("specdec_prefix_cache_budget_bytes", "The prefix cache's budget (prefill.cache_bytes)",
+                                value=cache.budget_bytes)
 
 
 class RequestCounter:

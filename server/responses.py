@@ -34,8 +34,9 @@ class Envelope:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model, **fields}
 
 
-def usage(prompt_tokens: int, finals: list[Update]) -> dict:
-    """OpenAI usage plus usage.speculative over all of the request's sequences."""
+def usage(prompt_tokens: int, finals: list[Update], n: int) -> dict:
+    """OpenAI usage plus usage.speculative over all of the request's sequences. A prompt's tokens count once
+    however many choices (`n`) it has, and so do its cached tokens: its first choice's."""
     stats = SpecStats(method=finals[0].stats.method if finals else "none")
     for update in finals:
         for name in (f.name for f in fields(SpecStats) if f.name != "method"):
@@ -45,6 +46,7 @@ def usage(prompt_tokens: int, finals: list[Update]) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(update.cached_tokens for update in finals if update.index % n == 0)},
         "speculative": stats.as_usage(),
     }
 
@@ -151,7 +153,7 @@ def _json(data: dict) -> str:
     return json.dumps(data, separators=(",", ":"))
 
 
-async def collect(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int) -> dict:
+async def collect(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, n: int) -> dict:
     """The whole response of a non-streamed request."""
     tokens: dict[int, list[TokenOut]] = {choice.index: [] for choice in job.choices}
     prompts: dict[int, list[Logprob] | None] = {}
@@ -163,10 +165,12 @@ async def collect(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int)
         if update.finish_reason:
             finals[update.index] = update
     choices = [fmt.choice(i, tokens[i], finals[i].finish_reason, prompts.get(i)) for i in sorted(tokens)]
-    return envelope.wrap(fmt.object, choices=choices, usage=usage(prompt_tokens, list(finals.values())))
+    return envelope.wrap(fmt.object, choices=choices, usage=usage(prompt_tokens, list(finals.values()), n))
 
 
-async def stream(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+async def stream(
+    job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, include_usage: bool, n: int,
+) -> AsyncIterator[str]:
     """SSE data payloads: one chunk per token, a closing chunk per choice, usage if asked, then [DONE]."""
     extra = {"usage": None} if include_usage else {}
 
@@ -189,5 +193,5 @@ async def stream(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, 
         yield _json(error.body())
         return
     if include_usage:
-        yield _json(envelope.wrap(fmt.chunk_object, choices=[], usage=usage(prompt_tokens, finals)))
+        yield _json(envelope.wrap(fmt.chunk_object, choices=[], usage=usage(prompt_tokens, finals, n)))
     yield "[DONE]"

@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 
 from specdec_core.sequence import Sequence
 
+from .guard import ADDRESS_PREFIX
 from .metrics import CLIENT_CLOSED
 from .rate_limit import MeteredJob
 from .request_limits import check_prompt_tokens, check_request
@@ -161,14 +162,23 @@ async def _run(
         for i in range(body.n):
             index = len(choices)
             params = body.sampling(i, scheduler.model.vocab_size)
-            seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs, client=client)
+            seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs, client=client,
+                           cache_namespace=cache_namespace(client, body.cache_salt))
             choices.append(Choice(index, seq, body.stop, echo_logprobs))
     job = MeteredJob(choices, request.app.state.limiter, client)
     scheduler.submit(job)
     prompt_tokens = sum(len(ids) for ids in prompts)
     if body.stream:
-        return _streamed(scheduler, job, stream(job, fmt, envelope, prompt_tokens, body.stream_options.include_usage))
-    return await _collected(request, scheduler, job, collect(job, fmt, envelope, prompt_tokens))
+        return _streamed(scheduler, job, stream(job, fmt, envelope, prompt_tokens, body.stream_options.include_usage, body.n))
+    return await _collected(request, scheduler, job, collect(job, fmt, envelope, prompt_tokens, body.n))
+
+
+def cache_namespace(client: str, salt: str | None) -> str:
+    """Whose cached prompt chunks a request may read: its API key's (a cache shared across keys would tell one
+    key's prompts to another by timing) and its cache_salt's. Never its address: behind a proxy every client
+    has the proxy's, and without keys every caller shares one cache."""
+    key = "" if client.startswith(ADDRESS_PREFIX) else client
+    return f"{key}\n{salt or ''}"
 
 
 def _streamed(scheduler: Scheduler, job: Job, events: AsyncIterator[str]) -> EventSourceResponse:

@@ -3,10 +3,12 @@
 The event loop submits a `Job` (one HTTP request: n sequences per prompt) and
 reads its `Update`s from an asyncio queue that the worker feeds through
 `loop.call_soon_threadsafe`. The worker loads the models, then loops:
-drop cancelled sequences, admit waiting ones into free batch slots (prefill),
-run one engine step, and turn each row's new tokens into released text
-(incremental detokenization, stop strings) and metrics. Only the worker
-touches the engine; the event loop gets a tokenizer copy of its own.
+drop cancelled sequences, admit waiting ones into free batch slots, prefill
+one chunk of the oldest admitted prompt (a long prompt joins the batch over
+several rounds, so running streams get a step between its chunks), run one
+engine step, and turn each row's new tokens into released text (incremental
+detokenization, stop strings) and metrics. Only the worker touches the
+engine; the event loop gets a tokenizer copy of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec_core.engine import Engine
+from specdec_core.engine import Admission, Engine
 from specdec_core.sequence import Sequence, SpecStats
 
 from .detokenize import Piece, TextOutput
@@ -61,6 +63,7 @@ class Update:
     prompt_logprobs: list[Logprob] | None = None  # with admitted, when echo with logprobs was asked
     finish_reason: str | None = None
     completion_tokens: int = 0  # with finish_reason: tokens delivered, stop strings excluded
+    cached_tokens: int = 0  # with finish_reason: prompt tokens the prefix cache gave
     stats: SpecStats | None = None  # with finish_reason
 
 
@@ -136,8 +139,9 @@ class Scheduler:
         self._cancelled: list[Job] = []
         self._deadline: float | None = None
         self._stopping = False
-        # The worker's own: admitted sequences by id, with their job and choice.
+        # The worker's own: admitted sequences by id, with their job and choice; prompts being prefilled, oldest first.
         self._active: dict[int, tuple[Job, Choice]] = {}
+        self._prefilling: deque[tuple[Job, Choice, Admission]] = deque()
 
     # -- event loop side -----------------------------------------------------
 
@@ -207,6 +211,7 @@ class Scheduler:
         )
         self.engine = engine
         self.metrics.serving(engine.method, engine.controller.gamma_max)
+        self.metrics.watch_prefill(engine)
         with self._cond:
             if self.state == "loading":
                 self.state = "ready"
@@ -236,6 +241,8 @@ class Scheduler:
                 self._fail(job, APIError(503, "the server is shutting down", type="server_error", code="shutdown"))
         for job, choice in self._take_admissible():
             self._admit(job, choice)
+        if self._prefilling:
+            self._prefill_chunk()
         if self.engine.seqs:
             self._step()
         self.metrics.running_requests.set(len({id(job) for job, _ in self._active.values()}))
@@ -244,7 +251,7 @@ class Scheduler:
     def _take_admissible(self) -> list[tuple[Job, Choice]]:
         """Pop waiting choices into the batch's free slots, one per job in turn (oldest first), so
         that a request of many sequences shares the slots with the requests behind it."""
-        free = self.settings.max_batch_size - len(self.engine.seqs)
+        free = self.settings.max_batch_size - len(self.engine.seqs) - len(self._prefilling)
         taken = []
         with self._cond:
             while free > 0 and self._waiting:
@@ -257,15 +264,30 @@ class Scheduler:
         return taken
 
     def _admit(self, job: Job, choice: Choice) -> None:
-        """Prefill a choice's sequence into the batch."""
+        """Start a choice's prefill: its cached prefix is in place, its chunks follow, one a round."""
         if job not in self._jobs:
             return  # failed while this choice waited
+        try:
+            admission = self.engine.begin(choice.seq, prompt_logits=choice.echo_logprobs)
+        except Exception as exc:
+            self._fail(job, internal_error(f"the prefill of {choice.seq.request_id} failed", exc))
+            return
+        self._prefilling.append((job, choice, admission))
+
+    def _prefill_chunk(self) -> None:
+        """Prefill the oldest admitted prompt's next chunk; once its last is in, its sequence joins the batch."""
+        job, choice, admission = self._prefilling[0]
         seq = choice.seq
         try:
-            prompt_logits = self.engine.add(seq, prompt_logits=choice.echo_logprobs)
+            joined = self.engine.advance(admission)
         except Exception as exc:
+            self._prefilling.popleft()
             self._fail(job, internal_error(f"the prefill of {seq.request_id} failed", exc))
             return
+        if not joined:
+            return
+        self._prefilling.popleft()
+        prompt_logits = admission.prompt_logits()
         self._active[id(seq)] = (job, choice)
         choice.output = TextOutput(self.engine.target.tokenizer, seq.prompt_ids, choice.stop)
         prompt_logprobs = self._prompt_logprobs(seq, prompt_logits) if choice.echo_logprobs else None
@@ -317,6 +339,7 @@ class Scheduler:
         if reason is not None:
             update.finish_reason = reason
             update.completion_tokens = choice.output.released
+            update.cached_tokens = choice.seq.cached_tokens
             update.stats = choice.seq.stats
             del self._active[id(choice.seq)]
             job.unfinished -= 1
@@ -346,13 +369,16 @@ class Scheduler:
         return Logprob(decode([token]), logprob, [(decode([t]), value) for t, value in top])
 
     def _drop(self, job: Job) -> int:
-        """Remove a job's sequences from the batch and forget the job; returns the slots freed."""
+        """Remove a job's sequences from the batch and its prompts from the prefills, and forget the job; returns
+        the slots freed."""
+        prefilling = len(self._prefilling)
+        self._prefilling = deque(entry for entry in self._prefilling if entry[0] is not job)
         mine = [choice.seq for choice in job.choices if id(choice.seq) in self._active]
         self.engine.remove(mine)
         for seq in mine:
             del self._active[id(seq)]
         self._forget(job)
-        return len(mine)
+        return len(mine) + prefilling - len(self._prefilling)
 
     def _fail(self, job: Job, error: APIError) -> None:
         self._drop(job)

@@ -170,6 +170,8 @@ class SamplingRequest(Schema):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = Field(default_factory=dict)
     user: str | None = None  # accepted for compatibility; not used
+    # vLLM's name: requests share cached prompt chunks only when their salts (and API keys) are equal.
+    cache_salt: str | None = Field(None, max_length=256)
 
     @field_validator("logit_bias")
     @classmethod

@@ -457,6 +457,75 @@ def test_metrics_after_traffic(served):
     assert sample(metrics, 'specdec_accepted_tokens_total{method="draft-model"}') <= drafted
 
 
+# -- the prefix cache, chunked prefill ----------------------------------------------
+
+CHUNK = 16
+KEYS = ("key-one", "key-two")
+LONG = " ".join(f"def f{i}(x): return x + {i}" for i in range(12))  # 169 tokens: ten chunks and a part
+
+
+@pytest.fixture(scope="module")
+def chunked() -> Iterator[Served]:
+    """A server whose prompts prefill in chunks of 16 tokens, with two API keys."""
+    config = make_config(speculation={"gamma": 2}, prefill={"chunk_tokens": CHUNK}, security={"api_keys": list(KEYS)})
+    with running(config) as served:
+        yield served
+
+
+def keyed(served: Served, key: str) -> openai.OpenAI:
+    return served.client.with_options(api_key=key)
+
+
+def cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_resent_prompt_reports_its_cached_tokens_and_gets_the_same_text(chunked):
+    client = keyed(chunked, KEYS[0])
+    kwargs = dict(model=MODEL, prompt=LONG + " again", max_tokens=12, temperature=0, logit_bias=NO_EOS)
+    first, second = (client.completions.create(**kwargs) for _ in range(2))
+    whole_chunks = (first.usage.prompt_tokens - 1) // CHUNK * CHUNK
+    assert cached(first.usage) == 0 and cached(second.usage) == whole_chunks
+    assert second.choices[0].text == first.choices[0].text
+    events = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert cached(events[-1].usage) == whole_chunks
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=4, logit_bias=NO_EOS)
+    assert [cached(client.chat.completions.create(**chat).usage) > 0 for _ in range(2)] == [False, True]
+    metrics = chunked.metrics()
+    assert sample(metrics, "specdec_prefix_cache_hit_tokens_total") >= 2 * whole_chunks
+    assert sample(metrics, "specdec_prefill_chunks_total") > 2 * whole_chunks // CHUNK
+    assert 0 < sample(metrics, "specdec_prefix_cache_bytes") <= sample(metrics, "specdec_prefix_cache_budget_bytes")
+
+
+def test_another_key_or_another_cache_salt_gets_no_cached_tokens(chunked):
+    kwargs = dict(model=MODEL, prompt="isolated " + LONG, max_tokens=2, logit_bias=NO_EOS)  # a beginning of its own
+    assert cached(keyed(chunked, KEYS[0]).completions.create(**kwargs).usage) == 0
+    assert cached(keyed(chunked, KEYS[1]).completions.create(**kwargs).usage) == 0
+    assert cached(keyed(chunked, KEYS[0]).completions.create(**kwargs, extra_body={"cache_salt": "s"}).usage) == 0
+    assert cached(keyed(chunked, KEYS[0]).completions.create(**kwargs).usage) > 0
+
+
+def test_a_running_stream_gets_tokens_between_a_long_prompts_chunks(chunked):
+    """Counted in chunks, not time: while a long prompt prefills, the running stream's tokens arrive at many
+    different counts of chunks run."""
+    engine = chunked.app.state.scheduler.engine
+    client = keyed(chunked, KEYS[0])
+    stream = iter(client.completions.create(model=MODEL, prompt="x", max_tokens=1900, logit_bias=NO_EOS, stream=True))
+    next(stream)
+    start = engine.chunks
+    prompt = "a prompt nobody sent before " + LONG
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=1)
+        seen = set()
+        while not long.done():
+            next(stream)
+            seen.add(engine.chunks)
+        chunks = (long.result().usage.prompt_tokens - 1 + CHUNK - 1) // CHUNK
+    stream.close()
+    assert chunks >= 10
+    assert len({count for count in seen if start < count < start + chunks}) >= chunks // 2
+
+
 def test_a_full_queue_answers_429_with_retry_after():
     with running(make_config(server={"max_batch_size": 1, "max_queue": 1})) as served:
         kwargs = dict(model=MODEL, prompt="x", max_tokens=1900, logit_bias=NO_EOS, stream=True)
