@@ -152,20 +152,22 @@ class Config(Section):
 
 def with_overrides(config: Config, spec: str) -> Config:
     """`name` or `name:key=value:...` as a config with that drafter; keys are dotted paths under `speculation`,
-    or under `model` when they start with `model.` (as in suffix:model.step=compiled)."""
+    or under `model` or `prefill` when they start with that section's name (as in suffix:model.step=compiled or
+    suffix:prefill.cache=false)."""
     name, *pairs = spec.split(":")
     data = config.model_dump()
     data["speculation"]["drafter"] = name
     for pair in pairs:
         key, _, value = pair.partition("=")
         *path, leaf = key.split(".")
-        section = "model" if path[:1] == ["model"] else "speculation"
-        path = path[1:] if section == "model" else path
+        section = path[0] if path[:1] in (["model"], ["prefill"]) else "speculation"
+        path = path[1:] if section != "speculation" else path
         node = data[section]
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node or not value:
-            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section or of model."
-                             " (as in distilled:distilled.student=NAME, layer-skip:layer_skip.k=8 or ngram:model.step=compiled)")
+            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section, of model. or"
+                             " of prefill. (as in distilled:distilled.student=NAME, layer-skip:layer_skip.k=8,"
+                             " ngram:model.step=compiled or plain:prefill.cache=false)")
         node[leaf] = yaml.safe_load(value)
     return type(config).model_validate(data)

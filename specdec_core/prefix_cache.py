@@ -90,6 +90,11 @@ class PrefixCache:
             self.blocks.move_to_end(key)
         return found
 
+    def clear(self) -> None:
+        """Every block dropped, as in a server just started (the counts go on)."""
+        self.blocks.clear()
+        self.bytes = 0
+
     def insert(self, key: bytes, block: Block) -> None:
         """Keep `block` under `key`, evicting the least recently used blocks to stay within the budget."""
         if key in self.blocks:

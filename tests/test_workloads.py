@@ -7,15 +7,17 @@ from __future__ import annotations
 import ast
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from specdec_cli.main import main
-from specdec_core.config import Config
+from specdec_core.config import Config, with_overrides
 from specdec_tools.bench.prompts import Prompt
 from specdec_tools.bench.runner import Bench, Method, Run
 from specdec_tools.bench.workloads import (
+    CHAT_TURNS,
     CODE_EDIT_FUNCTIONS,
     INSTRUCTIONS,
     PHASES,
@@ -115,20 +117,38 @@ def test_agentic_requests_resend_the_conversation_with_new_tool_output(two_turns
     assert "failed" in prompts[2].text and f"`{names[2]}`" in prompts[2].text
 
 
+def test_a_chat_ui_session_resends_its_long_system_prompt_and_history_every_turn():
+    session = workloads(Path("unused.jsonl"))["chat-ui"].sessions(1)[0]
+    prompts = []
+    drive(session, lambda prompt: prompts.append(prompt) or f"answer {len(prompts)}")
+    assert len(prompts) == CHAT_TURNS and len({p.system for p in prompts}) == 1
+    assert len(prompts[0].system) > 7_000 and "```python" in prompts[0].system
+    assert [len(p.history) for p in prompts] == list(range(CHAT_TURNS))
+    assert prompts[-1].history[0] == (prompts[0].text, "answer 1")
+    assert prompts[0].messages()[0] == {"role": "system", "content": prompts[0].system}
+
+
 def test_bench_forgets_what_a_suffix_memory_learnt_and_gives_each_remembering_method_its_own():
-    config = Config.load("configs/tiny-random.yaml")
+    config = with_overrides(Config.load("configs/tiny-random.yaml"), "none:prefill.cache=false")
     methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("suffix:g2", "suffix", 2),
-               Method("ngram", "ngram"), Method("ngram:g2", "ngram", 2)]
+               Method("ngram", "ngram"), Method("ngram:g2", "ngram", 2), Method("ngram:prefill.cache=true", "ngram",
+                                                                                  settings="prefill.cache=true")]
     bench = Bench(config, methods, temperature=0.0, seed=0)
-    assert [bench.remembers(m) for m in methods] == [False, True, True, False, False]
-    # Methods that differ only in gamma share an engine, unless it remembers: then one drafts from the other's runs.
+    assert [bench.remembers(m) for m in methods] == [False, True, True, False, False, False]
+    # Methods that differ only in gamma share an engine, unless it remembers: then one drafts from the other's runs,
+    # or finds the prompts the other prefilled in its prefix cache.
     assert bench.engines["ngram"] is bench.engines["ngram:g2"]
     assert bench.engines["suffix"] is not bench.engines["suffix:g2"]
+    cached = bench.engines["ngram:prefill.cache=true"]
+    assert cached.prefix_cache is not None and bench.engines["ngram"].prefix_cache is None
     bench.run(methods[1], [Prompt("p", "c", "hello there, hello there")], 8, block=0)
     memory = bench.engines["suffix"].drafter.global_memory
     assert memory.size > 0 and bench.engines["suffix:g2"].drafter.global_memory.size == 0
+    long = Prompt("q", "c", "the same words again and again " * 80)
+    bench.run(methods[-1], [long], 2, block=0)
+    assert cached.prefix_cache.blocks
     bench.forget()
-    assert bench.engines["suffix"].drafter.global_memory.size == 0
+    assert bench.engines["suffix"].drafter.global_memory.size == 0 and not cached.prefix_cache.blocks
 
 
 class RecordingBench:

@@ -23,12 +23,14 @@ class Prompt:
     category: str
     text: str  # the last user turn
     history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of the conversation, oldest first
+    system: str = ""  # the system prompt, if the conversation has one
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation as chat messages, ending with the user's turn."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
         turns = [m for user, answer in self.history
                  for m in ({"role": "user", "content": user}, {"role": "assistant", "content": answer})]
-        return turns + [{"role": "user", "content": self.text}]
+        return system + turns + [{"role": "user", "content": self.text}]
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:

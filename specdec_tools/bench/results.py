@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,12 +50,17 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
         "steps": sum(run.steps for run in engine_runs) if engine_runs else None,
         "wall_s": sum(run.wall_s for run in runs),
         "prefill_s": sum(run.prefill_s for run in engine_runs) if engine_runs else None,
+        "first_token_s": _median([run.first_token_s for run in engine_runs if run.first_token_s is not None]),
         "draft_s": sum(run.draft_s for run in engine_runs) if engine_runs else None,
         "draft_positions": sum(run.draft_positions for run in engine_runs) if engine_runs else None,
         "verify_s": sum(run.verify_s for run in engine_runs) if engine_runs else None,
         "acceptance_by_position": [share(a, d) for a, d in zip(accepted, drafted)],
         "drafted_by_position": drafted,
     }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _sum_lists(lists: Sequence[list[int]]) -> list[int]:
@@ -146,6 +152,7 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
             "new_tokens": run.new_tokens,
             "wall_s": run.wall_s,
             "prefill_s": run.prefill_s,
+            "first_token_s": run.first_token_s,
             "draft_s": run.draft_s,
             "verify_s": run.verify_s,
             "steps": run.steps,

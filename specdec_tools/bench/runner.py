@@ -72,7 +72,8 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """`plain`, or a drafter (`ngram`, `layer-skip`, ...: adaptive gamma), optionally with settings
-    (`layer-skip:layer_skip.k=8`, `plain:model.step=compiled`) and then a fixed gamma (`ngram:g4`)."""
+    (`layer-skip:layer_skip.k=8`, `plain:model.step=compiled`, `suffix:prefill.cache=false`) and then a fixed
+    gamma (`ngram:g4`)."""
     if text in HF_METHODS:
         return Method(text, text)
     text = text.strip()
@@ -86,8 +87,8 @@ def parse_method(text: str) -> Method:
             "speculation settings and then a fixed gamma, as in ngram:g4 or layer-skip:layer_skip.k=8:g3"
         )
     if name in (PLAIN, "none"):
-        if gamma is not None or any(not part.startswith("model.") for part in parts):
-            raise ValueError(f"{text!r}: plain decoding has no gamma or drafter settings, only model. ones")
+        if gamma is not None or any(not part.startswith(("model.", "prefill.")) for part in parts):
+            raise ValueError(f"{text!r}: plain decoding has no gamma or drafter settings, only model. and prefill. ones")
         return Method(PLAIN if not parts else text, "none", None, ":".join(parts))
     if gamma is not None and gamma < 1:
         raise ValueError(f"{text!r}: a fixed gamma must be at least 1 (plain is gamma 0)")
@@ -96,6 +97,12 @@ def parse_method(text: str) -> Method:
 
 def _remembers(engine: Engine) -> bool:
     return bool(engine.drafter and engine.drafter.remembers_requests)
+
+
+def _own_engine(engine: Engine) -> bool:
+    """Whether an engine must be one method's alone: it remembers earlier requests, in its drafter or its prefix
+    cache (a method would otherwise find the prompts another method prefilled)."""
+    return _remembers(engine) or engine.prefix_cache is not None
 
 
 @dataclass
@@ -121,6 +128,7 @@ class Run:
     outputs: list[list[int]]
     wall_s: float  # prefill plus decoding, as a client would wait
     prefill_s: float | None = None  # None for transformers' generate, which does not split it out
+    first_token_s: float | None = None  # from the start to the first token, as a client waits for it (ours only)
     draft_s: float = 0.0
     draft_positions: int = 0  # draft tokens a step's drafting produced for its longest row, summed over steps
     verify_s: float = 0.0
@@ -182,7 +190,7 @@ class Bench:
             if not method.on_engine:
                 continue
             engine = built.get(method.engine)
-            if engine is None or _remembers(engine):  # a memory of earlier requests is one method's own
+            if engine is None or _own_engine(engine):  # a memory of earlier requests is one method's own
                 engine = self._engine(method.engine)
                 built.setdefault(method.engine, engine)
             self.engines[method.label] = engine
@@ -220,6 +228,8 @@ class Bench:
         for engine in self.engines.values():
             if engine.drafter:
                 engine.drafter.forget()
+            if engine.prefix_cache:
+                engine.prefix_cache.clear()
         if self.llama_cpp:
             self.llama_cpp.forget()
 
@@ -252,6 +262,8 @@ class Bench:
         prefill_s = time.perf_counter() - start
         run = Run(method.label, len(prompts), block, prompts, [], 0.0, prefill_s)
         for report in engine.generate():
+            if run.first_token_s is None and any(row.new_tokens for row in report.rows):
+                run.first_token_s = time.perf_counter() - start
             run.add_step(report)
         run.wall_s = time.perf_counter() - start
         run.outputs = [list(seq.output_ids) for seq in seqs]

@@ -9,6 +9,9 @@ per method, so that what a drafter remembers across requests counts as it would 
 - `agentic`: a coding agent's loop over a standard-library module, a function per step. Each request resends
   the whole conversation with new tool output: the file as read back after the agent's last edit (applied
   when the answer holds a complete code block) and the edit's unified diff.
+- `chat-ui`: a chat UI's conversation, CHAT_TURNS turns over a long system prompt (a standard-library module's
+  source, about 2,000 tokens, as a documentation assistant's context), each turn resending the
+  whole history, as chat UIs do.
 
 Every answer in a later request's context is plain decoding's, so every method sees the same requests.
 Each workload runs twice over the same requests: cold (every memory of earlier requests emptied first, a
@@ -57,6 +60,9 @@ CODE_EDIT_FUNCTIONS = (
 AGENT_MODULES = ("colorsys", "fnmatch", "textwrap", "shlex", "bisect", "glob", "html", "heapq")
 AGENT_FILE_LINES = 70  # at most this many lines of a module's functions make the agent's file
 AGENT_STEPS = 3
+CHAT_TURNS = 6
+CHAT_SYSTEM_CHARACTERS = 8_000  # about 2,000 tokens of Python source
+CHAT_MODULES = ("textwrap", "shlex", "heapq", "statistics", "difflib", "calendar", "string", "base64")
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,28 @@ def _agentic(count: int) -> list[Callable[[], Session]]:
     return [_agent_session(m) for m in AGENT_MODULES[:count]]
 
 
+def _chat_session(module_name: str) -> Callable[[], Session]:
+    def session() -> Session:
+        source = inspect.getsource(importlib.import_module(module_name))[:CHAT_SYSTEM_CHARACTERS]
+        system = (f"You are a documentation assistant for Python's `{module_name}` module. Answer from its source, "
+                  f"briefly.\n\n```python\n{source}\n```")
+        tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+        names = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                 and not node.name.startswith("_") and node.lineno <= source.count("\n")]
+        topics = (names * CHAT_TURNS)[:CHAT_TURNS] if names else [module_name] * CHAT_TURNS
+        history: tuple[tuple[str, str], ...] = ()
+        for turn, name in enumerate(topics, start=1):
+            text = f"What does `{name}` do? Give one example call." if turn % 2 else f"When would I not use `{name}`?"
+            answer = yield Prompt(f"chat-ui/{module_name}/{turn}", f"chat-ui {turn}", text, history, system)
+            history += ((text, answer),)
+
+    return session
+
+
+def _chat_ui(count: int) -> list[Callable[[], Session]]:
+    return [_chat_session(m) for m in CHAT_MODULES[:count]]
+
+
 def workloads(spec_bench: Path) -> dict[str, Workload]:
     """Every workload, by name; Spec-Bench's file gives the first two."""
     return {
@@ -218,6 +246,8 @@ def workloads(spec_bench: Path) -> dict[str, Workload]:
                                _multi_turn(spec_bench)),
         "code-edit": Workload("code-edit", "functions of this Python's standard library, PSF licence", _code_edit),
         "agentic": Workload("agentic", "an agent loop over this Python's standard-library modules, PSF licence", _agentic),
+        "chat-ui": Workload("chat-ui", "a documentation chat over this Python's standard-library modules, PSF licence",
+                            _chat_ui),
     }
 
 
