@@ -40,6 +40,7 @@ class RequestResult:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)  # gaps between consecutive content events (one per token)
     output_tokens: int = 0
+    prompt_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     error: str | None = None  # "HTTP 429: ...", "stream: ...", "ReadTimeout: ..."
@@ -104,8 +105,10 @@ def require_loopback(host: str) -> None:
         raise ValueError(f"{host!r} resolves to non-loopback addresses {others}; the load generator only targets loopback")
 
 
-async def stream_chat(client: httpx.AsyncClient, target: Target, body: dict, timeout_s: float) -> RequestResult:
-    """Send one streamed chat completion and time its tokens."""
+async def stream_chat(
+    client: httpx.AsyncClient, target: Target, body: dict, timeout_s: float, on_token: Callable[[], None] | None = None,
+) -> RequestResult:
+    """Send one streamed chat completion and time its tokens (`on_token` is called as each arrives)."""
     start = time.perf_counter()
     token_times: list[float] = []
     usage: dict = {}
@@ -127,6 +130,8 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, body: dict, tim
                     usage = chunk.get("usage") or usage
                     if any(choice["delta"].get("content") for choice in chunk.get("choices", ())):
                         token_times.append(time.perf_counter())
+                        if on_token:
+                            on_token()
     except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as exc:
         return failed(f"{type(exc).__name__}: {exc}")
     if not usage:
@@ -138,6 +143,7 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, body: dict, tim
         ttft=token_times[0] - start if token_times else None,
         itls=[b - a for a, b in zip(token_times, token_times[1:])],
         output_tokens=usage["completion_tokens"],
+        prompt_tokens=usage["prompt_tokens"],
         draft_tokens=spec.get("draft_tokens", 0),
         accepted_tokens=spec.get("accepted_tokens", 0),
     )

@@ -91,3 +91,22 @@ def test_an_api_key_is_sent(prompts, tmp_path, monkeypatch):
         assert main([*argv, "--api-key", "sesame"]) == 0
     (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
     assert level["ok"] == 2
+
+
+def test_the_stall_tool_measures_a_long_prompt_against_a_running_stream_chunked_and_not(tmp_path):
+    """Shapes and counts, not times: both servers answer, the chunked one's stream keeps getting tokens while the
+    long prompt is admitted (a gap is measured), and each server reports its long prompt's size."""
+    from loadtest.stall import main as stall
+
+    with ExitStack() as stack:
+        chunked = stack.enter_context(running(make_config(speculation={"drafter": "none"}, prefill={"chunk_tokens": 16})))
+        unchunked = stack.enter_context(running(make_config(speculation={"drafter": "none"}, prefill={"chunk_tokens": 4096})))
+        code = stall(["--url", f"chunked={chunked.url}", "--url", f"unchunked={unchunked.url}", "--prompt-tokens", "150",
+                      "--stream-tokens", "400", "--out", str(tmp_path)])
+    assert code == 0
+    rows = json.loads((tmp_path / "stall.json").read_text())["servers"]
+    assert [row["target"] for row in rows] == ["chunked", "unchunked"]
+    for row in rows:
+        assert row["ok"] and row["long_prompt_tokens"] > 100 and row["step_s"] > 0
+        assert row["long_prompt_ttft_alone_s"] > 0 and row["long_prompt_ttft_while_streaming_s"] > 0
+    assert rows[0]["largest_gap_while_admitting_s"] is not None
