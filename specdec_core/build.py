@@ -9,6 +9,7 @@ from .drafters.registry import NO_DRAFTER, factory
 from .engine import Engine
 from .models.loading import eos_ids, load_runner
 from .models.runner import ModelRunner
+from .models.quant import keep_dequantized
 from .models.static_runner import on_step
 from .prefix_cache import PrefixCache
 
@@ -34,6 +35,7 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     controller = Controller(gamma_max=spec.gamma_max, fixed_gamma=spec.gamma, max_speculative_batch=spec.max_speculative_batch)
     chosen = build_drafter(config, target, drafter)
     prefill = config.prefill
+    keep_dequantized(target.model, prefill.keep_bf16_weights)
     cache = None
     if prefill.cache:
         block_bytes = prefill.chunk_tokens * target.token_bytes(bool(chosen and chosen.uses_features))

@@ -141,6 +141,26 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, b
     assert all(layer.packed.untyped_storage().data_ptr() == fused.packed.untyped_storage().data_ptr() for layer in layers)
 
 
+@needs_vnni
+def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_family: str):
+    """keep_dequantized: a long pass (a prefill chunk) on the bf16 weights the first one dequantized equals one
+    that dequantizes them again, for a fused layer's parts too; short passes stay on the integer kernel."""
+    torch.manual_seed(8)
+    model = nn.Sequential(*[VnniLinear.from_linear(nn.Linear(256, out, dtype=torch.bfloat16), "int4") for out in (64, 32)])
+    fused = quant.fuse(list(model))
+    x = torch.randn(vnni.DEQUANTIZE_ROWS + 3, 256, dtype=torch.bfloat16)
+    expected = [layer(x) for layer in (*model, fused)]
+    short = [layer(x[:5]) for layer in model]
+    quant.keep_dequantized(model, True)
+    fused.keeps_dequantized = True
+    for _ in range(2):
+        assert all(torch.equal(layer(x), out) for layer, out in zip((*model, fused), expected))
+    assert [len(layer._dequantized) for layer in (*model, fused)] == [1, 1, 2]
+    assert all(torch.equal(layer(x[:5]), out) for layer, out in zip(model, short))
+    quant.keep_dequantized(model, False)
+    assert model[0]._dequantized is None and not model[0].keeps_dequantized
+
+
 def test_layers_that_cannot_be_fused_are_left_alone():
     torch.manual_seed(7)
     floats = [nn.Linear(64, 32) for _ in range(2)]

@@ -187,14 +187,15 @@ dequantize_t = traceable(
 _mm = traceable(_vnni_mm, lambda x, packed, scale_min, tiles: x.new_empty(x.shape[0], packed.shape[0] * ROWS))
 
 
-def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, dequantized: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
     to int8 per 32 inputs, and each row's result is the same whatever the number of rows and whichever
     path (AVX2, VNNI or AMX) takes it (a verify pass computes what single steps do); from there on the
-    weights are dequantized to bf16."""
+    weights are dequantized to bf16, or `dequantized` (`dequantize_t`'s, kept) is taken."""
     rows = x.shape[0]
     if rows >= DEQUANTIZE_ROWS:
-        return torch.mm(x, dequantize_t(packed, scale_min).to(x.dtype))
+        weights = dequantize_t(packed, scale_min) if dequantized is None else dequantized
+        return torch.mm(x, weights.to(x.dtype))
     tiles = rows >= AMX_MIN_ROWS and amx()
     if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads and writes these two
         return _mm(x.float(), packed, scale_min, tiles).to(x.dtype)
