@@ -1,11 +1,14 @@
 """`python -m loadtest.stall`: what a long prompt does to a stream already running, on one or more servers.
 
-On each server, one after the other (so that each has the machine to itself):
+On each server, one after the other (so that each has the machine to itself), after one unmeasured long
+prompt (a server's first long pass keeps its bf16 weights, prefill.keep_bf16_weights):
 1. a short streamed request alone: its gaps between tokens, the step a running stream sees (tokens accepted
    together arrive together: the median of the gaps over 5 ms is the step);
 2. a long prompt alone (one token asked): its time to first token;
 3. the short request again, and once it streams, the long prompt (a prompt no cache holds): the longest gap
-   between the stream's tokens while the long prompt is admitted, and the long prompt's time to first token.
+   between the stream's tokens while the long prompt is admitted, apart (between its chunks) and with the
+   gap in which it joins the batch (its last chunk, and the first step of a batch with a long row), and the
+   long prompt's time to first token.
 
 Run it against a server with chunked prefill and one with prefill.chunk_tokens above the prompt's length
 (unchunked) in one run, so the ratios compare like with like:
@@ -30,7 +33,7 @@ import httpx
 from .runner import RequestResult, Target, parse_target, stream_chat
 
 SOURCE_MODULES = ("difflib", "argparse", "statistics", "textwrap")  # the long prompt's text: Python source (PSF licence)
-CHARACTERS_PER_TOKEN = 3.0  # about, for Python source in Qwen2.5's tokenizer; the server's usage says exactly
+CHARACTERS_PER_TOKEN = 3.8  # about, for Python source in Qwen2.5's tokenizer; the server's usage says exactly
 STEP_GAP_S = 0.005  # gaps shorter than this are tokens one step accepted together
 
 
@@ -48,6 +51,7 @@ def body(text: str, max_tokens: int, model: str) -> dict:
 async def measure(client: httpx.AsyncClient, target: Target, model: str, prompt_tokens: int, stream_tokens: int) -> dict:
     """The three measurements on one server."""
     short = body("Count from one to one hundred in words, one per line.", stream_tokens, model)
+    await stream_chat(client, target, body(long_prompt(prompt_tokens), 1, model), 600)  # warm-up
     alone = await stream_chat(client, target, short, 600)
     long_alone = await stream_chat(client, target, body(long_prompt(prompt_tokens), 1, model), 600)
 
@@ -70,6 +74,9 @@ async def measure(client: httpx.AsyncClient, target: Target, model: str, prompt_
         "long_prompt_ttft_while_streaming_s": long_concurrent.ttft,
         "largest_gap_while_admitting_s": max(during, default=None),
         "largest_gap_in_steps": max(during) / step_s if during and step_s else None,
+        "largest_gap_between_chunks_s": max(during[:-1], default=None),
+        "joining_gap_s": during[-1] if during else None,
+        "gaps_while_admitting_s": [round(gap, 3) for gap in during],
         "ok": all(r.ok for r in (alone, long_alone, long_concurrent, stream)),
         "errors": [r.error for r in (alone, long_alone, long_concurrent, stream) if r.error],
     }

@@ -116,7 +116,7 @@ class Engine:
 
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
-        unseeded_rule: str = "rejection", chunk_tokens: int = 256, prefix_cache: PrefixCache | None = None,
+        unseeded_rule: str = "rejection", chunk_tokens: int = 192, prefix_cache: PrefixCache | None = None,
     ):
         if unseeded_rule not in SAMPLING_RULES:
             raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
