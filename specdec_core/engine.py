@@ -92,6 +92,7 @@ class Admission:
     row: BatchCache  # or a StaticCache: one row, the target runner's kind
     ids: list[int]  # what is prefilled: every token of the sequence but its last
     want_logits: bool = False
+    looked_up: bool = False  # whether the prefix cache was asked (`Engine.advance`'s first call)
     done: int = 0  # tokens of ids in the row so far
     cached: int = 0  # of which the prefix cache gave
     keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of ids' whole chunks
@@ -151,29 +152,36 @@ class Engine:
         return admission.prompt_logits()
 
     def begin(self, seq: Sequence, prompt_logits: bool = False) -> Admission:
-        """Start a new sequence's prefill: its cached prefix, if any, is in place; `advance` prefills the rest, a
-        chunk a call. A request for the prompt's logits (echo with logprobs) prefills the whole prompt: the cache
-        keeps keys and values, not logits."""
+        """Start a new sequence's prefill; `advance` prefills it, a chunk a call. A request for the prompt's logits
+        (echo with logprobs) prefills the whole prompt: the cache keeps keys and values, not logits."""
         if not seq.prompt_ids:
             raise ValueError("a prompt needs at least one token")
         ids = seq.tokens[:-1]
         row = self.target.new_cache()
         row.reserve(1, len(ids))  # the row's capacity is set once: every chunk's pass sees the same cache layout
-        admission = Admission(seq, row, ids, want_logits=prompt_logits)
-        cache = self.prefix_cache
-        if cache is not None and cache.fits(len(ids), seq.request_id):
-            admission.keys = cache.keys(ids, seq.cache_namespace)
-            for block in [] if prompt_logits else cache.lookup(admission.keys):
-                row.write_span(block.keys, block.values)
-                admission.hidden.append(block.hidden)
-            admission.done = admission.cached = int(row.lengths[0])
-            cache.counts.hit_tokens += admission.cached
-            cache.counts.miss_tokens += len(ids) - admission.cached
-        seq.cached_tokens = admission.cached
-        return admission
+        return Admission(seq, row, ids, want_logits=prompt_logits)
+
+    def _take_cached(self, admission: Admission) -> None:
+        """Put the prompt's cached prefix in the admission's row. Done at its first chunk, not when it is admitted:
+        prompts prefill one after another, so one admitted with another that begins the same way (a request's n
+        choices, a shared system prompt) finds the other's chunks."""
+        admission.looked_up = True
+        cache, ids, seq = self.prefix_cache, admission.ids, admission.seq
+        if cache is None or not cache.fits(len(ids), seq.request_id):
+            return
+        admission.keys = cache.keys(ids, seq.cache_namespace)
+        for block in [] if admission.want_logits else cache.lookup(admission.keys):
+            admission.row.write_span(block.keys, block.values)
+            admission.hidden.append(block.hidden)
+        admission.done = admission.cached = seq.cached_tokens = int(admission.row.lengths[0])
+        cache.counts.hit_tokens += admission.cached
+        cache.counts.miss_tokens += len(ids) - admission.cached
 
     def advance(self, admission: Admission) -> bool:
-        """Prefill the admission's next chunk; once its prompt is all in, it joins the batch. True when it has."""
+        """Prefill the admission's next chunk (its cached prefix first); once its prompt is all in, it joins the
+        batch. True when it has."""
+        if not admission.looked_up:
+            self._take_cached(admission)
         ids, start = admission.ids, admission.done
         end = min(start + self.chunk_tokens, len(ids))
         if end > start:

@@ -76,12 +76,12 @@ def test_a_cached_prefix_gives_the_cold_prefills_keys_values_and_logits_bit_for_
     warm = engine_of(runner)
     warm.add(Sequence("first", prompt[: 3 * CHUNK + 3], SamplingParams(temperature=0), 1))
     longer = prompt + [5, 6, 7]
-    hit, cold = warm.begin(Sequence("hit", longer, SamplingParams(), 1)), engine_of(runner, budget=None).begin(
-        Sequence("cold", longer, SamplingParams(), 1))
+    cold_engine = engine_of(runner, budget=None)
+    hit, cold = warm.begin(Sequence("hit", longer, SamplingParams(), 1)), cold_engine.begin(Sequence("cold", longer, SamplingParams(), 1))
+    for admission, engine in ((hit, warm), (cold, cold_engine)):
+        while not engine.advance(admission):
+            pass
     assert hit.cached == 3 * CHUNK and cold.cached == 0
-    for admission, engine in ((hit, warm), (cold, warm)):
-        while admission.done < len(admission.ids):
-            engine.advance(admission)
     assert torch.equal(hit.logits[-1], cold.logits[-1])
     assert all(torch.equal(a, b) for a, b in zip(hit.row.read_span(0, len(longer) - 1), cold.row.read_span(0, len(longer) - 1)))
 
@@ -124,6 +124,18 @@ def test_eviction_keeps_the_budget_and_every_request_completes_with_its_uncached
     assert cache.bytes <= blocks * block and len(cache.blocks) <= blocks and cache.counts.evicted_blocks > 0
     assert cache.counts.hit_tokens > 0
     assert texts == chat(engine_of(target, budget=None), target, "greedy")[0]
+
+
+def test_prompts_admitted_together_share_their_chunks(target):  # noqa: F811
+    """A request's n choices, or two requests over one system prompt, are admitted together and prefilled one
+    after the other: the second looks the cache up at its first chunk, after the first's chunks are in."""
+    engine = engine_of(target)
+    prompt = target.tokenizer.encode(SYSTEM)
+    first, second = (engine.begin(Sequence(name, prompt, SamplingParams(temperature=0), 1)) for name in "ab")
+    while not engine.advance(first):
+        pass
+    engine.advance(second)
+    assert first.cached == 0 and second.cached == (len(prompt) - 1) // CHUNK * CHUNK
 
 
 def test_namespaces_do_not_share_blocks(target):  # noqa: F811
