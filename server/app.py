@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import start_http_server
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec_core.build import build_engine
@@ -74,13 +76,38 @@ def create_app(config: ServeConfig, drafter: str | None = None) -> FastAPI:
     if security.cors_origins:
         # Any header: the origin is the check; keys travel in a header, never in cookies (no credentials).
         app.add_middleware(
-            CORSMiddleware, allow_origins=security.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]
+            CORSMiddleware, allow_origins=security.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"],
+            expose_headers=[REPLICA_HEADER],
         )
+    app.add_middleware(NameReplica, name=config.server.replica_name or socket.gethostname())
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     return app
+
+
+REPLICA_HEADER = "X-Specdec-Replica"
+
+
+class NameReplica:
+    """Every response names the replica that answered (REPLICA_HEADER), refusals too, so that routing behind a
+    load balancer can be counted."""
+
+    def __init__(self, app: ASGIApp, name: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.lower().encode(), name.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 def _respond(error: APIError) -> JSONResponse:

@@ -157,21 +157,28 @@ def test_haproxy_config_is_valid():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_haproxy_streams_unbuffered_and_balances_by_least_connections(tmp_path):
+def balanced(stack: ExitStack, replicas: list, tmp_path: Path) -> str:
+    """deploy/haproxy.cfg as it is, but for its server-template lines (Docker's DNS): the loopback replicas
+    instead, with the same check options, in front of them; its URL."""
     haproxy = needs("haproxy", "apt-get install -y haproxy")
+    text = (DEPLOY / "haproxy.cfg").read_text()
+
+    def servers(template: re.Match) -> str:
+        return "".join(f"    server r{i} 127.0.0.1:{r.port}{template['options']}\n" for i, r in enumerate(replicas))
+
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(re.sub(r'^\s*server-template \S+ \d+ "[^"]+"(?P<options>.*?) resolvers .*\n', servers, text, flags=re.M))
+    port = free_port()
+    lb = f"http://127.0.0.1:{port}"
+    env = os.environ | {"LB_BIND": f"127.0.0.1:{port}"}  # haproxy.cfg's bind address
+    stack.enter_context(spawned([haproxy, "-db", "-f", str(config)], f"{lb}/health", tmp_path / "haproxy.log", env))
+    return lb
+
+
+def test_haproxy_streams_unbuffered_and_balances_by_least_connections(tmp_path):
     with ExitStack() as stack:
         replicas = [stack.enter_context(running(make_config())) for _ in range(2)]
-        # deploy/haproxy.cfg as it is, but for its one server-template line (Docker's DNS): the two
-        # loopback replicas instead, with the same check options.
-        text = (DEPLOY / "haproxy.cfg").read_text()
-        template = re.search(r'^\s*server-template \S+ \d+ "[^"]+"(?P<options>.*?) resolvers .*$', text, re.M)
-        servers = "".join(f"    server r{i} 127.0.0.1:{r.port}{template['options']}\n" for i, r in enumerate(replicas))
-        config = tmp_path / "haproxy.cfg"
-        config.write_text(text[: template.start()] + servers + text[template.end() + 1 :])
-        port = free_port()
-        lb = f"http://127.0.0.1:{port}"
-        env = os.environ | {"LB_BIND": f"127.0.0.1:{port}"}  # haproxy.cfg's bind address
-        stack.enter_context(spawned([haproxy, "-db", "-f", str(config)], f"{lb}/health", tmp_path / "haproxy.log", env))
+        lb = balanced(stack, replicas, tmp_path)
 
         def busy() -> list[int]:
             return [i for i, r in enumerate(replicas) if r.app.state.scheduler.engine.seqs]
@@ -192,6 +199,31 @@ def test_haproxy_streams_unbuffered_and_balances_by_least_connections(tmp_path):
         # Least connections: with one stream open on one replica, the next request goes to the other.
         assert first_event().startswith("data: {")
         assert sorted(busy()) == [0, 1] and holder in busy()
+
+
+def test_haproxy_keeps_a_session_on_the_replica_that_holds_its_prefix(tmp_path):
+    """With X-Session-Id, every turn of a conversation goes to one replica (X-Specdec-Replica says which), and its
+    later turns find their history in that replica's prefix cache; sessions spread over both replicas."""
+    with ExitStack() as stack:
+        replicas = [stack.enter_context(running(make_config(prefill={"chunk_tokens": 16}, server={"replica_name": f"r{i}"})))
+                    for i in range(2)]
+        lb = balanced(stack, replicas, tmp_path)
+        client = stack.enter_context(httpx.Client(timeout=120))
+        answered, cached = {}, []
+        for session in range(12):
+            history = f"session {session}: " + "tell me more " * 12
+            for turn in range(3):
+                body = {"model": MODEL, "prompt": history, "max_tokens": 4, "logit_bias": NO_EOS, "temperature": 0}
+                response = client.post(f"{lb}/v1/completions", json=body, headers={"X-Session-Id": f"conversation-{session}"})
+                assert response.status_code == 200
+                answered.setdefault(session, []).append(response.headers["x-specdec-replica"])
+                cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0)
+                history += response.json()["choices"][0]["text"] + f" and turn {turn}"
+        assert all(len(set(replicas_of)) == 1 for replicas_of in answered.values())
+        assert {names[0] for names in answered.values()} == {"r0", "r1"}
+        assert all(cached[turn] for turn in range(len(cached)) if turn % 3)  # every follow-up turn hit the cache
+        without = client.post(f"{lb}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert without.status_code == 200 and without.headers["x-specdec-replica"] in {"r0", "r1"}
 
 
 # -- Prometheus and the dashboard -----------------------------------------------------------
@@ -232,8 +264,9 @@ def replica() -> ServeConfig:
 def traffic(url: str) -> None:
     """Speculative completions, a stream, a bad request, and one past the rate limit, so every panel has data."""
     with httpx.Client(base_url=url, timeout=120) as client:
-        for i in range(4):
-            body = {"model": MODEL, "prompt": f"x{i}", "max_tokens": 24, "logit_bias": NO_EOS, "stream": i % 2 == 1}
+        for i in range(4):  # the last two prompts find the second's chunks in the prefix cache
+            prompt = f"x{min(i, 1)} " + "tell me more " * 40
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "logit_bias": NO_EOS, "stream": i % 2 == 1}
             assert client.post("/v1/completions", json=body).status_code == 200
         bad = {"model": MODEL, "prompt": "x", "best_of": 3}
         statuses = [client.post("/v1/completions", json=bad).status_code for _ in range(BUDGET - 3)]
@@ -245,7 +278,8 @@ def test_dashboard_covers_the_metrics_and_names_only_real_ones():
     base = {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}
     wanted = {"accepted_tokens_total", "draft_tokens_total", "accepted_tokens_per_position_total",
               "draft_tokens_per_position_total", "gamma", "decode_steps_total", "batch_size",
-              "time_to_first_token_seconds", "inter_token_latency_seconds", "queue_depth", "requests_total"}
+              "time_to_first_token_seconds", "inter_token_latency_seconds", "queue_depth", "requests_total",
+              "prefix_cache_hit_tokens_total", "prefix_cache_miss_tokens_total", "prefix_cache_bytes", "prefill_chunks_total"}
     assert {f"specdec_{name}" for name in wanted} <= base
     with running(replica()) as served:
         traffic(served.url)

@@ -348,6 +348,12 @@ def test_too_long_prompt_names_both_numbers(served):
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5000)
 
 
+def test_every_response_names_its_replica(served):
+    for response in (httpx.get(f"{served.url}/health"), httpx.get(f"{served.url}/nowhere"),
+                     httpx.post(f"{served.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})):
+        assert response.headers["x-specdec-replica"] == socket.gethostname()
+
+
 def test_unknown_model_is_a_404(served):
     with pytest.raises(openai.NotFoundError) as caught:
         served.client.completions.create(model="gpt-5", prompt="x")
@@ -495,6 +501,17 @@ def test_a_resent_prompt_reports_its_cached_tokens_and_gets_the_same_text(chunke
     assert sample(metrics, "specdec_prefix_cache_hit_tokens_total") >= 2 * whole_chunks
     assert sample(metrics, "specdec_prefill_chunks_total") > 2 * whole_chunks // CHUNK
     assert 0 < sample(metrics, "specdec_prefix_cache_bytes") <= sample(metrics, "specdec_prefix_cache_budget_bytes")
+
+
+def test_echo_with_logprobs_recomputes_a_cached_prompt_and_gets_the_same_logprobs(chunked):
+    """Prompt logprobs are not kept with the cached chunks: a request for them prefills its whole prompt."""
+    client = keyed(chunked, KEYS[0])
+    kwargs = dict(model=MODEL, prompt="echoed " + LONG, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    first, second = (client.completions.create(**kwargs) for _ in range(2))
+    assert cached(client.completions.create(model=MODEL, prompt="echoed " + LONG, max_tokens=1).usage) > 0
+    assert cached(second.usage) == 0
+    assert second.choices[0].logprobs.token_logprobs == first.choices[0].logprobs.token_logprobs
+    assert len(first.choices[0].logprobs.token_logprobs) == first.usage.prompt_tokens + 1
 
 
 def test_another_key_or_another_cache_salt_gets_no_cached_tokens(chunked):
