@@ -120,7 +120,7 @@ class SpeculationConfig(Section):
 
 
 class PrefillConfig(Section):
-    # By measurement (docs/NOTES.md, "The prefix cache and chunked prefill"; 1.5B int4, 2 threads, bf16 weights
+    # By measurement (docs/benchmarks/NOTES.md, "The prefix cache and chunked prefill"; 1.5B int4, 2 threads, bf16 weights
     # kept): a 2,940-token prompt alone took 8.07 s in chunks of 192 against 8.13 in one pass (10.0 in chunks of
     # 128); while a stream ran, its gaps between chunks were about 0.5 s at 128 tokens and 0.65 s at 192, where
     # one pass stopped it for 8.3 s.

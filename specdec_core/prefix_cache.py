@@ -90,6 +90,15 @@ class PrefixCache:
             self.blocks.move_to_end(key)
         return found
 
+    def snapshot(self) -> tuple[OrderedDict[bytes, Block], int]:
+        """The blocks held now (shared, not copied), for `restore`."""
+        return OrderedDict(self.blocks), self.bytes
+
+    def restore(self, snapshot: tuple[OrderedDict[bytes, Block], int]) -> None:
+        """Hold again just the blocks a `snapshot` held (the bench replays a request as if for the first time)."""
+        blocks, self.bytes = snapshot
+        self.blocks = OrderedDict(blocks)
+
     def clear(self) -> None:
         """Every block dropped, as in a server just started (the counts go on)."""
         self.blocks.clear()

@@ -90,7 +90,43 @@ def fake_tools(directory: Path) -> Path:
         script = directory / tool
         script.write_text(echoing(log, end))
         script.chmod(0o755)
+    server = directory / "llama-server"
+    server.write_text(FAKE_SERVER.replace("PYTHON", sys.executable))
+    server.chmod(0o755)
     return directory
+
+
+# llama-server's stand-in: /health, and /completion answering with its timings, where the prompt characters it
+# shares with the last request (its prompt cache) are not prefilled again.
+FAKE_SERVER = """#!PYTHON
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+last = [""]
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        new = len(prompt) - len(os.path.commonprefix([last[0], prompt]))
+        last[0] = prompt
+        timings = {"prompt_n": new, "prompt_ms": 2.0 * new, "predicted_n": 8, "predicted_ms": 400.0}
+        data = json.dumps({"content": "def reverse(s): return s[::-1]", "timings": timings}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Handler).serve_forever()
+"""
 
 
 def echoing(log: str, end: str) -> str:
@@ -119,8 +155,22 @@ def test_lookup_text_leaves_the_echoed_prompt_out_and_its_cache_outlives_a_reque
     assert llama.lookup_cache.read_text() == "run\nrun\n"  # one file across requests: llama.cpp's memory
     llama.forget()
     assert not llama.lookup_cache.exists()
-    with pytest.raises(ValueError, match="one of plain, speculative, lookup"):
+    with pytest.raises(ValueError, match="one of plain, speculative, lookup, server"):
         llama.generate("x", 4, "medusa")
+
+
+def test_llama_server_keeps_its_prompt_cache_across_requests_until_forgotten(tmp_path):
+    llama = LlamaCpp(fake_tools(tmp_path / "tools"), tmp_path / "model.gguf", None, threads=1, gamma=5)
+    try:
+        history = "<|im_start|>user\n" + "tell me more " * 50
+        first = llama.generate(history, 8, "server")
+        again = llama.generate(history + "and more", 8, "server")
+        assert first.prefill_s == pytest.approx(2 * len(history) / 1000) and again.prefill_s == pytest.approx(0.016)
+        assert (again.new_tokens, again.decode_s, again.text) == (8, 0.4, "def reverse(s): return s[::-1]")
+        llama.forget()  # a new server: its prompt cache is empty
+        assert llama.generate(history, 8, "server").prefill_s == pytest.approx(first.prefill_s)
+    finally:
+        llama.close()
 
 
 def bench(tmp_path, monkeypatch, config: str, tools: Path, prompts: Path) -> list[str]:
@@ -138,7 +188,7 @@ def test_bench_adds_llama_cpp_rows_side_by_side(tmp_path, monkeypatch, smollm2_d
     config.write_text(Path("configs/smollm2.yaml").read_text().replace("  gamma_max: 5", "  gamma_max: 5\n  draft_model: smollm2-135m"))
     records = bench(tmp_path, monkeypatch, str(config), fake_tools(tmp_path / "tools"), prompts_file)
     rows = {r["method"]: r for r in records if r["category"] == "all"}
-    assert {"plain", "llama.cpp", "llama.cpp-speculative", "llama.cpp-lookup"} <= set(rows)
+    assert {"plain", "llama.cpp", "llama.cpp-speculative", "llama.cpp-lookup", "llama.cpp-server"} <= set(rows)
     # The tools' own clock: 4 tokens of text over their prefill plus decode seconds.
     assert rows["llama.cpp"]["tokens_per_s"] > 0 and rows["llama.cpp"]["speedup_vs_plain"]
     assert rows["llama.cpp-speculative"]["acceptance_rate"] == pytest.approx(21 / 30)

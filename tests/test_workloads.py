@@ -15,7 +15,7 @@ import pytest
 from specdec_cli.main import main
 from specdec_core.config import Config, with_overrides
 from specdec_tools.bench.prompts import Prompt
-from specdec_tools.bench.runner import Bench, Method, Run
+from specdec_tools.bench.runner import Bench, Method, Run, run_block
 from specdec_tools.bench.workloads import (
     CHAT_TURNS,
     CODE_EDIT_FUNCTIONS,
@@ -151,6 +151,21 @@ def test_bench_forgets_what_a_suffix_memory_learnt_and_gives_each_remembering_me
     assert bench.engines["suffix"].drafter.global_memory.size == 0 and not cached.prefix_cache.blocks
 
 
+def test_a_method_run_twice_in_a_block_misses_the_cache_its_first_run_filled():
+    """Plain runs between the other methods, several times a block: each of its runs finds the cache as the
+    block's first did, so none is faster for having run the block's prompt already; the next block hits."""
+    config = Config.load("configs/tiny-random.yaml")
+    methods = [Method("plain", "none"), Method("ngram", "ngram")]
+    bench = Bench(config, methods, temperature=0.0, seed=0)
+    long = Prompt("q", "c", "the same words again and again " * 80)
+    runs = run_block(bench, methods, [long], 2, 0, plain_every=1)
+    cache = bench.engines["plain"].prefix_cache
+    assert [run.method for run in runs].count("plain") == 2
+    assert cache.blocks and cache.counts.hit_tokens == 0
+    run_block(bench, methods, [Prompt("q2", "c", long.text + " and once more")], 2, 1, plain_every=1)
+    assert cache.counts.hit_tokens > 0
+
+
 class RecordingBench:
     """Just what `replay` uses of a Bench, recording each run: (method, prompt id, history length)."""
 
@@ -158,6 +173,7 @@ class RecordingBench:
 
     def __init__(self, remembering: set[str]):
         self.remembering, self.calls = remembering, []
+        self.engines = {}  # none with a prefix cache
         self.target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: f"answer{len(ids)}"))
 
     def remembers(self, method: Method) -> bool:

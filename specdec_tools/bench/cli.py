@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-cpp", type=Path, metavar="DIR",
         help="add llama.cpp's plain and speculative decoding of the registry's GGUF files as reference rows (greedy, "
-        "batch 1, the config's threads); DIR holds the tools: python -m specdec_tools.bench.llama_cpp build DIR",
+        "batch 1, the config's threads), and llama-server with its prompt cache (llama.cpp-server); those of them "
+        "--drafters names, else all; DIR holds the tools: python -m specdec_tools.bench.llama_cpp build DIR",
     )
     parser.add_argument(
         "--threads", type=int,
@@ -108,6 +109,10 @@ def _methods(args: argparse.Namespace, draft_model: str | None) -> list[Method]:
         methods = [Method(PLAIN, "none")] + [m for m in map(parse_method, names) if m.label != PLAIN]
     except ValueError as exc:
         raise SystemExit(f"specdec bench: {exc}") from None
+    named_llama_cpp = [m.label for m in methods if m.drafter in LLAMA_CPP_METHODS]
+    if named_llama_cpp and not args.llama_cpp:
+        raise SystemExit(f"specdec bench: {', '.join(named_llama_cpp)} need --llama-cpp DIR")
+    methods = [m for m in methods if m.drafter not in LLAMA_CPP_METHODS]
     if not draft_model and any(m.drafter == "draft-model" for m in methods):
         raise SystemExit(f"specdec bench: draft-model needs speculation.draft_model in {args.config}")
     if args.baseline:
@@ -116,7 +121,8 @@ def _methods(args: argparse.Namespace, draft_model: str | None) -> list[Method]:
         if not draft_model:
             print(f"specdec bench: {args.config} has no draft model: hf-assisted left out", file=sys.stderr)
     if args.llama_cpp:
-        methods += [Method(name, name) for name in LLAMA_CPP_METHODS if draft_model or name != "llama.cpp-speculative"]
+        methods += [Method(name, name) for name in named_llama_cpp or LLAMA_CPP_METHODS
+                    if draft_model or name != "llama.cpp-speculative"]
     if len({m.label for m in methods}) != len(methods):
         raise SystemExit(f"specdec bench: a method is named twice in {', '.join(m.label for m in methods)}")
     return methods
@@ -297,6 +303,9 @@ def run_bench(args: argparse.Namespace) -> int:
         progress.bar.close()
         write(progress.finished, SweepResult(), f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}")
         raise
+    finally:
+        if bench.llama_cpp:
+            bench.llama_cpp.close()  # llama-server, if it ran
     runs += sweep.runs
     progress.bar.close()
     return write(runs, sweep)

@@ -15,7 +15,11 @@ timings: llama-completion for plain decoding, llama-speculative-simple for
 llama.cpp's speculative decoding with the registry's draft model, and
 llama-lookup for its n-gram cache drafting (prompt lookup plus a dynamic
 cache of earlier generations, kept in one file across the bench's requests:
-llama.cpp's own cross-request memory, emptied where ours is). step_costs runs
+llama.cpp's own cross-request memory, emptied where ours is), and llama-server
+over HTTP with its prompt cache on (cache_prompt, its default), as a llama.cpp
+user serves conversations: it keeps the last prompt's KV and reuses the part
+a request shares with it (restarted where our caches are emptied, since
+erasing its slot leaves its host-memory prompt cache). step_costs runs
 llama-bench on the same GGUF files for llama.cpp's cost per pass.
 """
 
@@ -24,11 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +45,9 @@ from specdec_core.models.paths import gguf_path
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-bench", "llama-server")
-KINDS = ("plain", "speculative", "lookup")  # what LlamaCpp.generate runs
+KINDS = ("plain", "speculative", "lookup", "server")  # what LlamaCpp.generate runs
+SERVER_CONTEXT = 16384  # llama-server's KV cache, in tokens: the longest conversation the bench replays fits
+SERVER_START_S = 300  # the longest wait for llama-server to load its model
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 ISA_FLAGS = {
     # AMX off for GCC 12's header (the module docstring)
@@ -203,6 +212,7 @@ class LlamaCpp:
     threads: int
     gamma: int
     _cache_dir: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+    _server: tuple[subprocess.Popen, str] | None = field(default=None, init=False, repr=False)  # process, URL
 
     @property
     def lookup_cache(self) -> Path:
@@ -212,13 +222,54 @@ class LlamaCpp:
         return Path(self._cache_dir.name) / "dynamic.bin"
 
     def forget(self) -> None:
-        """Empty llama-lookup's memory of earlier generations."""
+        """Empty llama-lookup's memory of earlier generations and llama-server's prompt cache."""
         self.lookup_cache.unlink(missing_ok=True)
+        self.close()
+
+    def close(self) -> None:
+        """Stop llama-server, if it runs."""
+        if self._server is not None:
+            self._server[0].terminate()
+            self._server[0].wait(timeout=60)
+            self._server = None
+
+    def _server_url(self) -> str:
+        """llama-server on a free loopback port, started on first use, with one slot and its prompt cache."""
+        if self._server is not None and self._server[0].poll() is None:
+            return self._server[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        process = subprocess.Popen(
+            [str(self.tools / "llama-server"), "-m", str(self.model), "-t", str(self.threads), "-c", str(SERVER_CONTEXT),
+             "-np", "1", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVER_START_S
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"llama-server did not start ({self.tools / 'llama-server'} -m {self.model})")
+            time.sleep(0.5)
+        self._server = (process, url)
+        return url
+
+    def _serve(self, prompt: str, max_tokens: int) -> Timing:
+        """One greedy completion from llama-server, timed by its own clock (prefill: the tokens it did not have)."""
+        request = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "seed": 0, "cache_prompt": True}
+        post = urllib.request.Request(f"{self._server_url()}/completion", json.dumps(request).encode(),
+                                      {"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=3600) as response:
+            answer = json.loads(response.read())
+        timings = answer["timings"]
+        return Timing(timings["predicted_n"], timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000, answer["content"])
 
     def generate(self, prompt: str, max_tokens: int, kind: str, context: int = 4096) -> Timing:
         """One greedy generation; `context` tokens of KV cache (prompt, output and drafts must fit)."""
         if kind not in KINDS:
             raise ValueError(f"llama.cpp runs one of {', '.join(KINDS)}, not {kind!r}")
+        if kind == "server":
+            return self._serve(prompt, max_tokens)
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
             file.write(prompt + "\n")  # -f drops the file's last newline (common/arg.cpp): the prompt stays whole
             file.flush()
@@ -250,6 +301,14 @@ class LlamaCpp:
         if not echoed:
             raise RuntimeError(f"{Path(cmd[0]).name} did not echo the prompt; its output began: {done.stdout[:500]!r}")
         return parse_speculative(done.stderr + done.stdout, text.removesuffix(ECHO_END[kind]))
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,9 @@ from .stats import PLAIN, interleave, ratios_to_plain
 
 ENGINE_DRAFTERS = tuple(REGISTRY)  # every drafter the engine has
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")  # what --baseline hf-assisted adds
-LLAMA_CPP_METHODS = {"llama.cpp": "plain", "llama.cpp-speculative": "speculative", "llama.cpp-lookup": "lookup"}
-# what --llama-cpp DIR adds, and the kind of run each is (LlamaCpp.generate)
+LLAMA_CPP_METHODS = {"llama.cpp": "plain", "llama.cpp-speculative": "speculative", "llama.cpp-lookup": "lookup",
+                     "llama.cpp-server": "server"}
+# what --llama-cpp DIR adds (those of them --drafters names, else all), and the kind of run each is (LlamaCpp.generate)
 _GAMMA = re.compile(r"g(\d+)")
 
 
@@ -74,7 +75,7 @@ def parse_method(text: str) -> Method:
     """`plain`, or a drafter (`ngram`, `layer-skip`, ...: adaptive gamma), optionally with settings
     (`layer-skip:layer_skip.k=8`, `plain:model.step=compiled`, `suffix:prefill.cache=false`) and then a fixed
     gamma (`ngram:g4`)."""
-    if text in HF_METHODS:
+    if text in HF_METHODS or text in LLAMA_CPP_METHODS:
         return Method(text, text)
     text = text.strip()
     name, *parts = text.split(":")
@@ -335,7 +336,14 @@ def run_block(
     by_label = {m.label: m for m in methods}
     order = interleave([m.label for m in methods], plain_every, rotate=block)
     runs = []
+    caches = {}  # the prefix caches of the block's engines as they were before its first run on each
     for label in order:
+        engine = bench.engines.get(label)
+        if engine is not None and engine.prefix_cache is not None:
+            # A method run again in a block (plain, between the others) finds the block's prompt only as its
+            # first run did: not in the cache its first run filled.
+            saved = caches.setdefault(label, engine.prefix_cache.snapshot())
+            engine.prefix_cache.restore(saved)
         runs.append(bench.run(by_label[label], prompts, max_tokens, block))
         on_run(runs[-1])
     ratios = ratios_to_plain(order, [r.tokens_per_s for r in runs])
