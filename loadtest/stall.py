@@ -6,9 +6,8 @@ prompt (a server's first long pass keeps its bf16 weights, prefill.keep_bf16_wei
    together arrive together: the median of the gaps over 5 ms is the step);
 2. a long prompt alone (one token asked): its time to first token;
 3. the short request again, and once it streams, the long prompt (a prompt no cache holds): the longest gap
-   between the stream's tokens while the long prompt is admitted, apart (between its chunks) and with the
-   gap in which it joins the batch (its last chunk, and the first step of a batch with a long row), and the
-   long prompt's time to first token.
+   between the stream's tokens while the long prompt is admitted (every gap is listed: one a chunk, and the
+   one in which the prompt joins the batch), and the long prompt's time to first token.
 
 Run it against a server with chunked prefill and one with prefill.chunk_tokens above the prompt's length
 (unchunked) in one run, so the ratios compare like with like:
@@ -74,8 +73,6 @@ async def measure(client: httpx.AsyncClient, target: Target, model: str, prompt_
         "long_prompt_ttft_while_streaming_s": long_concurrent.ttft,
         "largest_gap_while_admitting_s": max(during, default=None),
         "largest_gap_in_steps": max(during) / step_s if during and step_s else None,
-        "largest_gap_between_chunks_s": max(during[:-1], default=None),
-        "joining_gap_s": during[-1] if during else None,
         "gaps_while_admitting_s": [round(gap, 3) for gap in during],
         "ok": all(r.ok for r in (alone, long_alone, long_concurrent, stream)),
         "errors": [r.error for r in (alone, long_alone, long_concurrent, stream) if r.error],
