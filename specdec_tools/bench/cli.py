@@ -227,7 +227,8 @@ def run_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     transformers.logging.set_verbosity_error()  # generate() warns about flags it ignores; the report is the output
 
-    bench = Bench(config, methods, args.temperature, args.seed, _llama_cpp(args, config))
+    bench = Bench(config, methods, args.temperature, args.seed,
+                  _llama_cpp(args, config, speculative=any(m.label == "llama.cpp-speculative" for m in methods)))
     eligible = _short(bench, prompts, args.max_prompt_tokens, "batch 1")
     # With workloads, their requests replace the single prompts.
     selected = stratified(eligible, args.num_prompts or len(categories_of(eligible))) \
@@ -311,8 +312,9 @@ def run_bench(args: argparse.Namespace) -> int:
     return write(runs, sweep)
 
 
-def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
-    """llama.cpp's tools on the GGUF files our registry converted the config's models from."""
+def _llama_cpp(args: argparse.Namespace, config: Config, speculative: bool) -> LlamaCpp | None:
+    """llama.cpp's tools on the GGUF files our registry converted the config's models from (the draft model's only
+    for a `speculative` row)."""
     if not args.llama_cpp:
         return None
     from .llama_cpp import LlamaCpp, find_tools, registry_gguf
@@ -321,7 +323,7 @@ def _llama_cpp(args: argparse.Namespace, config: Config) -> LlamaCpp | None:
     try:
         tools = find_tools(args.llama_cpp)
         target = registry_gguf(config.model.target)
-        draft = registry_gguf(spec.draft_model) if spec.draft_model else None
+        draft = registry_gguf(spec.draft_model) if spec.draft_model and speculative else None
     except (LookupError, FileNotFoundError) as exc:
         raise SystemExit(f"specdec bench: {exc}") from None
     return LlamaCpp(tools, target, draft, threads=config.model.threads or os.cpu_count() or 1, gamma=spec.gamma_max)
