@@ -22,6 +22,7 @@ from .settings import SecurityConfig
 
 ADDRESS_PREFIX = "address:"  # a caller named by its address, where the server has no keys
 
+
 class Guard:
     """ASGI middleware: API key, rate budget and body size on every path but the open ones."""
 

@@ -206,9 +206,9 @@ class Engine:
         index = start // self.chunk_tokens
         if self.prefix_cache is None or index >= len(admission.keys) or end - start != self.chunk_tokens:
             return
-        keys, values = admission.row.read_span(start, end)
+        keys, values = admission.row.read_span(start, end)  # stacked: copies, not views of the row
         hidden = admission.hidden[-1] if self.wants_features else None
-        self.prefix_cache.insert(admission.keys[index], Block(keys.clone(), values.clone(), hidden))
+        self.prefix_cache.insert(admission.keys[index], Block(keys, values, hidden))
 
     def _join(self, admission: Admission) -> None:
         """A prefilled sequence joins the batch, and its drafter's rows."""
