@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .control import Controller
+from .drafters import grammar as grammar_drafts
 from .drafters.base import Drafter, Proposal
+from .grammar import masked
 from .models.runner import BatchCache, ModelRunner
 from .prefix_cache import Block, PrefixCache
 from .sampling import (
@@ -51,8 +53,10 @@ class RowResult:
 
     seq: Sequence
     new_tokens: list[int]
-    drafted: int
+    drafted: int  # positions the drafter drafted (a tree's depth), the grammar's forced tokens not among them
     accepted: int
+    grammar_drafted: int = 0  # forced tokens the grammar drafted (drafters/grammar.py)
+    grammar_accepted: int = 0
 
 
 @dataclass
@@ -65,6 +69,7 @@ class StepReport:
     gamma: int
     draft_s: float
     verify_s: float
+    grammar_s: float = 0.0  # walking the grammars of constrained rows down the proposal, for their masks
     rows: list[RowResult] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft token at j was kept
     drafted_per_position: list[int] = field(default_factory=list)
@@ -80,6 +85,7 @@ class Verdict:
     hidden: tuple[torch.Tensor, ...] | None  # the pass's hidden states, when the drafter reads features
     verify_s: float
     paths: list[list[int]]  # per row, the kept draft indices (a tree's root to leaf); [] for a failed row
+    masks: list[torch.Tensor | None]  # per row with a grammar, its bitmasks for each position of the pass
     tokens: list[list[int] | None]  # per row, the tokens to emit; None: the row failed
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
@@ -118,6 +124,7 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
         unseeded_rule: str = "rejection", chunk_tokens: int = 192, prefix_cache: PrefixCache | None = None,
+        grammar_drafts: bool = True,
     ):
         if unseeded_rule not in SAMPLING_RULES:
             raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
@@ -129,6 +136,7 @@ class Engine:
         self.cache = target.new_cache()
         self.chunk_tokens = chunk_tokens
         self.prefix_cache = prefix_cache
+        self.grammar_drafts = grammar_drafts  # rows with a grammar draft its forced continuation first
         self.chunks = 0  # prefill passes run, for metrics
         self.seqs: list[Sequence] = []
         if drafter:
@@ -264,23 +272,51 @@ class Engine:
         start = time.perf_counter()
         proposal = self._propose(seqs, gamma)
         draft_s = time.perf_counter() - start
-        verdict = self._verify(seqs, proposal)
-        return self._commit(seqs, proposal, verdict, draft_s)
+        proposal, masks = self._constrain(seqs, proposal)
+        grammar_s = time.perf_counter() - start - draft_s
+        verdict = self._verify(seqs, proposal, masks)
+        return self._commit(seqs, proposal, verdict, gamma, draft_s, grammar_s)
 
     def _propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
-        """The drafter's proposal cut to each row's token budget; trees come back with exactly their nodes' parents."""
-        empty = Proposal(tokens=torch.zeros(len(seqs), 0, dtype=torch.long), lengths=[0] * len(seqs), probs=None)
-        if not gamma or not self.drafter:
-            return empty
-        proposal = self.drafter.propose(seqs, gamma)
+        """The drafter's proposal (after the forced continuations of rows with a grammar) cut to each row's token
+        budget; trees come back with exactly their nodes' parents."""
         # Never draft past a row's token budget: the step emits at most remaining tokens.
         budgets = [max(seq.remaining - 1, 0) for seq in seqs]
+        if self.drafter and self.grammar_drafts and any(seq.grammar is not None for seq in seqs):
+            speculating = len(seqs) <= self.controller.max_speculative_batch
+            proposal = grammar_drafts.propose(self.drafter, seqs, gamma, self.controller.gamma_max * speculating, budgets)
+        elif self.drafter and gamma:
+            proposal = self.drafter.propose(seqs, gamma)
+        else:
+            return grammar_drafts.nothing(len(seqs))
         if proposal.parents is None:
-            proposal.lengths = [min(n, budget) for n, budget in zip(proposal.lengths, budgets)]
-            return proposal
-        return _trees_within(proposal, budgets)
+            return _chains_within(proposal, budgets)
+        return proposal.keep([within_depth(parents[:n], budget)
+                              for parents, n, budget in zip(proposal.parents, proposal.lengths, budgets)])
 
-    def _verify(self, seqs: list[Sequence], proposal: Proposal) -> Verdict:
+    def _constrain(self, seqs: list[Sequence], proposal: Proposal) -> tuple[Proposal, list[torch.Tensor | None]]:
+        """Each constrained row's bitmasks for the pass's positions, its proposal cut where the grammar forbids a
+        draft (the masked target could never keep it, nor what follows it)."""
+        masks: list[torch.Tensor | None] = [None] * len(seqs)
+        if all(seq.grammar is None for seq in seqs):
+            return proposal, masks
+        allowed = []
+        for i, seq in enumerate(seqs):
+            n = proposal.lengths[i]
+            drafts = proposal.tokens[i, :n].tolist()
+            if seq.grammar is None:
+                allowed.append(list(range(n)))
+            elif proposal.parents is None:
+                kept, masks[i] = seq.grammar.walk_chain(drafts)
+                allowed.append(list(range(kept)))
+            else:
+                nodes, masks[i] = seq.grammar.walk_tree(drafts, proposal.parents[i][:n])
+                allowed.append(nodes)
+        if proposal.parents is None:
+            return _chains_within(proposal, [len(nodes) for nodes in allowed]), masks
+        return proposal.keep(allowed), masks
+
+    def _verify(self, seqs: list[Sequence], proposal: Proposal, masks: list[torch.Tensor | None]) -> Verdict:
         """One target pass over every row's last token and drafts, then the acceptance rule over all rows at once."""
         width, device = proposal.width, self.target.device
         lengths = torch.tensor(proposal.lengths)
@@ -293,8 +329,9 @@ class Engine:
             depths=None if offsets is None else offsets.to(device), hidden_states=self.wants_features,
             row_invariant=self.target.row_invariant,
         )
-        verdict = Verdict(logits, hidden, time.perf_counter() - start, paths=[[] for _ in seqs], tokens=[None] * len(seqs))
-        targets, failures = self._row_targets(seqs, proposal, drafts, logits)
+        verdict = Verdict(logits, hidden, time.perf_counter() - start, paths=[[] for _ in seqs], masks=masks,
+                          tokens=[None] * len(seqs))
+        targets, failures = self._row_targets(seqs, proposal, drafts, logits, masks)
         drafts = drafts.to(device)
         for by_tokens in (True, False):  # the two kinds of rule, each over all its rows
             rows = [i for i in targets if _judged_by_tokens(seqs[i]) == by_tokens]
@@ -304,7 +341,8 @@ class Engine:
         return verdict
 
     def _row_targets(
-        self, seqs: list[Sequence], proposal: Proposal, drafts: torch.Tensor, logits: torch.Tensor
+        self, seqs: list[Sequence], proposal: Proposal, drafts: torch.Tensor, logits: torch.Tensor,
+        masks: list[torch.Tensor | None],
     ) -> tuple[dict[int, torch.Tensor], dict[int, Exception]]:
         """Each row's `_targets` by row index, and the rows that failed: a row whose processing raises, or whose
         probabilities the draws would refuse (NaN logits, say), fails alone before the batch's acceptance."""
@@ -313,7 +351,8 @@ class Engine:
         for i, seq in enumerate(seqs):
             n = proposal.lengths[i]
             try:
-                targets[i] = self._targets(seq, drafts[i, :n], proposal.parents[i] if proposal.parents else None, logits[i, : n + 1])
+                row_logits = logits[i, : n + 1] if masks[i] is None else masked(logits[i, : n + 1], masks[i])
+                targets[i] = self._targets(seq, drafts[i, :n], proposal.parents[i] if proposal.parents else None, row_logits)
             except Exception as exc:
                 failures[i] = exc
         sampled = [i for i in targets if not _judged_by_tokens(seqs[i])]
@@ -369,11 +408,14 @@ class Engine:
         for i, n, path, emitted in zip(rows, counts, paths, tokens):
             verdict.paths[i], verdict.tokens[i] = path[:n], emitted[: n + 1]
 
-    def _commit(self, seqs: list[Sequence], proposal: Proposal, verdict: Verdict, draft_s: float) -> StepReport:
+    def _commit(
+        self, seqs: list[Sequence], proposal: Proposal, verdict: Verdict, gamma: int, draft_s: float, grammar_s: float,
+    ) -> StepReport:
         """Append each row's tokens, keep its last token's and kept drafts' cache slots, tell the drafter and
         the controller what was kept, and take finished and failed rows out of the batch."""
         width, features = proposal.width, self.wants_features
         drafted = [max(depths(row), default=0) for row in proposal.parents] if proposal.parents else proposal.lengths
+        forced = proposal.forced or [0] * len(seqs)  # the forced tokens lead: a row's first forced[i] depths
         keep = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
         kept_features, rows = [], []
         for i, (seq, path, tokens) in enumerate(zip(seqs, verdict.paths, verdict.tokens)):
@@ -383,15 +425,21 @@ class Engine:
                 kept_features.append(verdict.hidden[-1][i, slots])
             if tokens is not None:  # a failed row keeps only its last token's slot, and leaves the batch below
                 emitted = self._emit(seq, tokens, verdict.logits[i, slots])
-                _count_speculation(seq, drafted[i], len(path), emitted)
-                rows.append(RowResult(seq, emitted, drafted[i], len(path)))
+                if seq.grammar is not None:
+                    seq.grammar.advance(emitted)
+                # Forced tokens delivered (kept, and not past a stop), then the drafter's.
+                by_grammar = min(forced[i], len(path), len(emitted))
+                kept = min(len(path), len(emitted)) - by_grammar
+                _count_speculation(seq, drafted[i] - forced[i], kept, len(emitted) - by_grammar, forced[i], by_grammar)
+                rows.append(RowResult(seq, emitted, drafted[i] - forced[i], kept, forced[i], by_grammar))
         self.cache.commit(keep.to(self.target.device))
-        if self.drafter and (width or features):  # feature drafters need every committed token's features
-            self.drafter.accepted(seqs, proposal, verdict.paths, kept_features if features else None)
+        if self.drafter and (gamma or features):  # feature drafters need every committed token's features
+            own, own_paths = grammar_drafts.own_paths(proposal, verdict.paths)
+            self.drafter.accepted(seqs, own, own_paths, kept_features if features else None)
+        positions = max((row.drafted for row in rows), default=0)
         self.controller.observe(
-            len(seqs), width + 1, verdict.verify_s, width, draft_s, [(row.seq, row.drafted, row.accepted) for row in rows],
+            len(seqs), width + 1, verdict.verify_s, positions, draft_s, [(row.seq, row.drafted, row.accepted) for row in rows],
         )
-        positions = max(drafted, default=0)
         report = StepReport(
             mode="speculative" if width else "plain",
             method=self.method,
@@ -399,6 +447,7 @@ class Engine:
             gamma=positions,
             draft_s=draft_s,
             verify_s=verdict.verify_s,
+            grammar_s=grammar_s,
             rows=rows,
             accepted_per_position=[sum(row.accepted > j for row in rows) for j in range(positions)],
             drafted_per_position=[sum(row.drafted > j for row in rows) for j in range(positions)],
@@ -437,27 +486,24 @@ def _judged_by_tokens(seq: Sequence) -> bool:
     return seq.params.greedy or seq.noise is not None
 
 
-def _count_speculation(seq: Sequence, drafted: int, kept: int, emitted: list[int]) -> None:
-    """Add one step's figures to the row's usage, if it drafted."""
+def _count_speculation(seq: Sequence, drafted: int, kept: int, emitted: int, forced: int, forced_kept: int) -> None:
+    """Add one step's figures to the row's usage: the drafter's (if it drafted), and the grammar's apart. Counts are
+    of delivered tokens: drafts kept past a stop are not."""
+    stats = seq.stats
+    stats.grammar_draft_tokens += forced
+    stats.grammar_accepted_tokens += forced_kept
     if not drafted:
         return
-    stats = seq.stats
     stats.draft_tokens += drafted
-    # Drafts kept past a stop are never delivered, so usage does not count them.
-    stats.accepted_tokens += min(kept, len(emitted))
+    stats.accepted_tokens += kept
     stats.verify_steps += 1
     stats.gamma_sum += drafted
-    stats.emitted_tokens += len(emitted)
+    stats.emitted_tokens += emitted
 
 
-def _trees_within(proposal: Proposal, max_depths: list[int]) -> Proposal:
-    """Each row's tree cut to its nodes at depth <= max_depths[i], renumbered."""
-    rows = [within_depth(parents[:n], depth) for parents, n, depth in zip(proposal.parents, proposal.lengths, max_depths)]
-    width = max((len(kept) for kept, _ in rows), default=0)
-    tokens = proposal.tokens.new_zeros(len(rows), width)
-    probs = None if proposal.probs is None else proposal.probs.new_zeros(len(rows), width, proposal.probs.shape[-1])
-    for i, (kept, _) in enumerate(rows):
-        tokens[i, : len(kept)] = proposal.tokens[i, kept]
-        if probs is not None:
-            probs[i, : len(kept)] = proposal.probs[i, kept]
-    return Proposal(tokens, [len(kept) for kept, _ in rows], probs, [parents for _, parents in rows])
+def _chains_within(proposal: Proposal, lengths: list[int]) -> Proposal:
+    """Each row's chain cut to at most lengths[i] tokens (in place: what follows is padding)."""
+    proposal.lengths = [min(n, most) for n, most in zip(proposal.lengths, lengths)]
+    if proposal.forced is not None:
+        proposal.forced = [min(f, n) for f, n in zip(proposal.forced, proposal.lengths)]
+    return proposal

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import GrammarState
 from .sampling import PositionNoise, SamplingParams
 
 
@@ -18,7 +19,9 @@ class SpecStats:
     accepted_tokens: int = 0
     verify_steps: int = 0
     gamma_sum: int = 0
-    emitted_tokens: int = 0
+    emitted_tokens: int = 0  # by the steps that drafted, less the grammar's forced tokens
+    grammar_draft_tokens: int = 0  # the grammar's forced continuations, drafted (drafters/grammar.py)
+    grammar_accepted_tokens: int = 0
 
     def as_usage(self) -> dict:
         return {
@@ -29,6 +32,8 @@ class SpecStats:
             "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "mean_accepted_length": self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0,
             "mean_gamma": self.gamma_sum / self.verify_steps if self.verify_steps else 0.0,
+            "grammar_draft_tokens": self.grammar_draft_tokens,
+            "grammar_accepted_tokens": self.grammar_accepted_tokens,
         }
 
 
@@ -53,6 +58,7 @@ class Sequence:
     counts: torch.Tensor | None = None  # [V] output token counts, only when penalties need them
     stats: SpecStats = field(default_factory=SpecStats)
     cached_tokens: int = 0  # prompt tokens the prefix cache gave (usage.prompt_tokens_details.cached_tokens)
+    grammar: GrammarState | None = None  # what the output must follow (response_format, tools): grammar.py
 
     @property
     def tokens(self) -> list[int]:

@@ -33,12 +33,9 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
-def within_depth(parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
-    """The nodes at depth <= max_depth (with every ancestor, since depth grows down a path), and their parents
-    renumbered among them."""
-    kept = [j for j, depth in enumerate(depths(parents)) if depth <= max_depth]
-    index = {j: k for k, j in enumerate(kept)}
-    return kept, [index[parents[j]] if parents[j] >= 0 else -1 for j in kept]
+def within_depth(parents: list[int], max_depth: int) -> list[int]:
+    """The nodes at depth <= max_depth (with every ancestor, since depth grows down a path)."""
+    return [j for j, depth in enumerate(depths(parents)) if depth <= max_depth]
 
 
 def batch_layout(parents: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,6 +123,19 @@ def test_vnni_rows_do_not_depend_on_the_pass(precision: str, kernel_family: str)
 
 
 @needs_vnni
+def test_a_row_invariant_pass_stays_on_the_kernel_past_the_dequantizing_rows(kernel_family: str):
+    """A verify pass over many rows (a batch of 16 by a tree of 16 nodes) computes each row as a single step does
+    under vnni.row_invariant; without it such a pass takes the bf16 GEMM, and some row differs (the control)."""
+    torch.manual_seed(5)
+    layer = VnniLinear.from_linear(nn.Linear(512, 64, bias=False, dtype=torch.bfloat16), "int4")
+    x = torch.randn(vnni.DEQUANTIZE_ROWS + 40, 512, dtype=torch.bfloat16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    with vnni.row_invariant(True):
+        assert torch.equal(layer(x), alone)
+    assert not torch.equal(layer(x), alone)
+
+
+@needs_vnni
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
 def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, bias: bool, kernel_family: str):

@@ -27,10 +27,35 @@ class Proposal:
     lengths: list[int]
     probs: torch.Tensor | None  # [B, G, V] the q each token was drawn from; None when deterministic (q one-hot)
     parents: list[list[int]] | None = None  # per row, each node's parent (-1: the row's last token); None: chains
+    # When a grammar's forced tokens lead (drafters/grammar.py): per row, how many leading nodes the grammar drafted,
+    # each node's index in `own` (-1: the grammar's), and the drafter's own proposal.
+    forced: list[int] | None = None
+    origin: list[list[int]] | None = None
+    own: Proposal | None = None
 
     @property
     def width(self) -> int:
         return max(self.lengths, default=0)
+
+    def keep(self, kept: list[list[int]]) -> Proposal:
+        """Row i's nodes kept[i] alone (each with its ancestors, in order), renumbered."""
+        width = max(map(len, kept), default=0)
+        tokens = self.tokens.new_zeros(len(kept), width)
+        probs = None if self.probs is None else self.probs.new_zeros(len(kept), width, self.probs.shape[-1])
+        parents = None if self.parents is None else []
+        for i, nodes in enumerate(kept):
+            tokens[i, : len(nodes)] = self.tokens[i, nodes]
+            if probs is not None:
+                probs[i, : len(nodes)] = self.probs[i, nodes]
+            if parents is not None:
+                index = {j: k for k, j in enumerate(nodes)}
+                parents.append([index[self.parents[i][j]] if self.parents[i][j] >= 0 else -1 for j in nodes])
+        return Proposal(
+            tokens, [len(nodes) for nodes in kept], probs, parents,
+            forced=None if self.forced is None else [sum(j < f for j in nodes) for f, nodes in zip(self.forced, kept)],
+            origin=None if self.origin is None else [[self.origin[i][j] for j in nodes] for i, nodes in enumerate(kept)],
+            own=self.own,
+        )
 
 
 class Drafter(ABC):
@@ -39,6 +64,9 @@ class Drafter(ABC):
     name = "unnamed"  # what stats and metrics call it: build.registered_drafter names a drafter by its registry key
     uses_features = False  # the engine runs the target with features and passes them to add() and accepted()
     remembers_requests = False  # what it drafts depends on earlier requests (a cross-request memory)
+    # It drafts from the text alone (no state of the committed tokens), so `propose` takes `pending`: per row,
+    # tokens drafted before its own (a grammar's forced continuation) to draft after.
+    drafts_from_text = False
 
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""

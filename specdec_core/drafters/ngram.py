@@ -50,8 +50,11 @@ class NgramDrafter(Drafter):
         self.min_n, self.max_n, self.max_len = min_n, max_n, max_len
         self.candidates, self.max_nodes = candidates, max_nodes
 
-    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
-        found = [lookup(seq.tokens, self.min_n, self.max_n, min(gamma, self.max_len), self.candidates) for seq in seqs]
+    drafts_from_text = True
+
+    def propose(self, seqs: list[Sequence], gamma: int, pending: list[list[int]] | None = None) -> Proposal:
+        texts = [seq.tokens + after for seq, after in zip(seqs, pending)] if pending else [seq.tokens for seq in seqs]
+        found = [lookup(text, self.min_n, self.max_n, min(gamma, self.max_len), self.candidates) for text in texts]
         if self.candidates == 1:
             drafts, parents = [continuations[0] if continuations else [] for continuations in found], None
         else:

@@ -130,6 +130,7 @@ class SuffixDrafter(Drafter):
     earlier requests' outputs."""
 
     remembers_requests = True
+    drafts_from_text = True  # its own memory holds committed tokens only: pending tokens join the match's context
 
     def __init__(self, max_tokens: int, shared: bool = False, factor: float = 1.0, min_probability: float = 0.1,
                  max_match: int = 32, max_nodes: int = 16, min_match: int = KEY):
@@ -160,8 +161,8 @@ class SuffixDrafter(Drafter):
                     self.global_memory.add(seq.client, seq.output_ids)
         self.rows = [self.rows[i] for i in keep]
 
-    def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
-        trees = [self._tree(seq, gamma) for seq in seqs]
+    def propose(self, seqs: list[Sequence], gamma: int, pending: list[list[int]] | None = None) -> Proposal:
+        trees = [self._tree(seq, gamma, pending[i] if pending else []) for i, seq in enumerate(seqs)]
         width = max((len(tokens) for tokens, _ in trees), default=0)
         proposal_tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, (tokens, _) in enumerate(trees):
@@ -169,14 +170,14 @@ class SuffixDrafter(Drafter):
         return Proposal(tokens=proposal_tokens, lengths=[len(tokens) for tokens, _ in trees], probs=None,
                         parents=[parents for _, parents in trees])
 
-    def _tree(self, seq: Sequence, gamma: int) -> tuple[list[int], list[int]]:
+    def _tree(self, seq: Sequence, gamma: int, pending: list[int]) -> tuple[list[int], list[int]]:
         own = self.own.get(id(seq))
         if own is None:
             own = self.own[id(seq)] = TokenMemory()
             own.add(seq.client)
         text = own.documents[0].tokens
         own.extend(0, seq.tokens[len(text) :])  # catch up with what the last steps emitted
-        context = seq.tokens
+        context = seq.tokens + pending
         found = [own.matches(context, seq.client, True, self.max_match),
                  self.global_memory.matches(context, seq.client, self.shared, self.max_match)]
         length = max(match for match, _ in found)

@@ -257,7 +257,7 @@ class VnniLinear(QuantLinear):
         return cls(*packed, linear.bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < vnni.DEQUANTIZE_ROWS:
+        if not vnni.dequantizes(x.shape[0]):
             return vnni.mm(x, self.packed, self.scale_min)
         # There the product is a bf16 GEMM, whose sums are blocked by the output count: each part's own product
         # then, as its own layer computes it.

@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from . import vnni
 from .attention import IMPLEMENTATION, row_slots
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -270,16 +271,17 @@ class ModelRunner:
         tree_mask, depths = self._pass_layout(cache, input_ids, tree_mask, depths)
         cache.reserve(batch, 0)
         allowed = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), tree_mask], dim=2)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=additive_mask(allowed, self.dtype)[:, None],
-            position_ids=cache.lengths[:, None] + depths,
-            cache=cache.kv,
-            use_cache=True,
-            output_hidden_states=hidden_states,
-            logits_to_keep=1 if last_logits_only else 0,
-            row_slots=row_slots(allowed) if row_invariant else None,
-        )
+        with vnni.row_invariant(row_invariant):
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=additive_mask(allowed, self.dtype)[:, None],
+                position_ids=cache.lengths[:, None] + depths,
+                cache=cache.kv,
+                use_cache=True,
+                output_hidden_states=hidden_states,
+                logits_to_keep=1 if last_logits_only else 0,
+                row_slots=row_slots(allowed) if row_invariant else None,
+            )
         cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=self.device)], dim=1)
         if commit:
             cache.commit(torch.ones(batch, k, dtype=torch.bool, device=self.device))

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from . import step_ops
+from . import step_ops, vnni
 from .attention import attend_rows, row_slots
 from .quant import fused_projections
 from .runner import ModelRunner, additive_mask
@@ -177,10 +177,11 @@ class StaticRunner(ModelRunner):
             # The pass writes the cache in place: CUDA graphs replay such writes only into static addresses.
             for tensor in (*cache.keys, *cache.values):
                 torch._dynamo.mark_static_address(tensor)
-        logits, hidden = run(
-            input_ids, cache.lengths[:, None] + depths, cache.write_slots(width), cache.keys, cache.values,
-            mask, attended, offsets, hidden_states, last_logits_only and width == k,  # else padding is last
-        )
+        with vnni.row_invariant(row_invariant):
+            logits, hidden = run(
+                input_ids, cache.lengths[:, None] + depths, cache.write_slots(width), cache.keys, cache.values,
+                mask, attended, offsets, hidden_states, last_logits_only and width == k,  # else padding is last
+            )
         cache.pending = k
         if commit:
             cache.commit(torch.ones(batch, k, dtype=torch.bool, device=device))

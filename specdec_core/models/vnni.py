@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -65,6 +67,10 @@ ISAS = ("avx2", "avx512", "amx")
 # against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). On a Xeon with AMX, VNNI with 8 rows per
 # register block: 12.8 ms against 17.4 at 128 rows, level at 256, 51 against 26 at 512; AMX tiles no faster.
 DEQUANTIZE_ROWS = 128
+# Set through `row_invariant` while a pass must compute each row as the single steps it stands for do (a verify
+# pass): it takes the kernel at any number of rows, since the bf16 GEMM past DEQUANTIZE_ROWS rounds otherwise.
+# A module global, not a context variable, so that a compiled step's guards see it.
+row_invariant_pass = False
 # With SPECDEC_ISA=amx, from this many rows a pass runs on AMX tiles (one-token decode stays on VNNI).
 AMX_MIN_ROWS = 2
 
@@ -187,13 +193,30 @@ dequantize_t = traceable(
 _mm = traceable(_vnni_mm, lambda x, packed, scale_min, tiles: x.new_empty(x.shape[0], packed.shape[0] * ROWS))
 
 
+@contextmanager
+def row_invariant(on: bool) -> Iterator[None]:
+    """Passes inside take the kernel whatever their rows, where `on`."""
+    global row_invariant_pass
+    saved, row_invariant_pass = row_invariant_pass, on
+    try:
+        yield
+    finally:
+        row_invariant_pass = saved
+
+
+def dequantizes(rows: int) -> bool:
+    """Whether a pass of `rows` rows multiplies by dequantized bf16 weights instead of the kernel."""
+    return rows >= DEQUANTIZE_ROWS and not row_invariant_pass
+
+
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, dequantized: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
     to int8 per 32 inputs, and each row's result is the same whatever the number of rows and whichever
     path (AVX2, VNNI or AMX) takes it (a verify pass computes what single steps do); from there on the
-    weights are dequantized to bf16, or `dequantized` (`dequantize_t`'s, kept) is taken."""
+    weights are dequantized to bf16, or `dequantized` (`dequantize_t`'s, kept) is taken, unless the pass must be
+    row-invariant (`row_invariant`)."""
     rows = x.shape[0]
-    if rows >= DEQUANTIZE_ROWS:
+    if dequantizes(rows):
         weights = dequantize_t(packed, scale_min) if dequantized is None else dequantized
         return torch.mm(x, weights.to(x.dtype))
     tiles = rows >= AMX_MIN_ROWS and amx()
