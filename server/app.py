@@ -41,7 +41,7 @@ log = logging.getLogger("specdec.server")
 def create_app(config: ServeConfig, drafter: str | None = None) -> FastAPI:
     """An app serving `config`'s target (with `drafter` overriding the config's); models load on startup."""
     metrics = Metrics()
-    scheduler = Scheduler(lambda: build_engine(config, drafter=drafter), config.server, metrics)
+    scheduler = Scheduler(lambda: build_engine(config, drafter=drafter), config.server, metrics, config.grammar)
     security = config.security
     keys = ApiKeys(load_keys(security))
     log.info("API keys: %d%s", len(keys), "" if keys else " (the API is open to all who reach it)")

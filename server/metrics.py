@@ -68,6 +68,16 @@ class Metrics:
             "request_latency_seconds", "From request arrival to its last token",
             (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
+        self.grammar_compile = histogram(
+            "grammar_compile_seconds", "Compiling a response_format schema or a request's tools into a grammar (each once)",
+            (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+        )
+        self.grammar_mask = histogram(
+            "grammar_mask_seconds", "Per step with constrained rows: their grammars' masks for every position of the pass",
+            (0.00001, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1),
+        )
+        self.grammar_draft_tokens = counter("grammar_draft_tokens_total", "Tokens drafted by the grammar (forced continuations)")
+        self.grammar_accepted_tokens = counter("grammar_accepted_tokens_total", "Grammar-drafted tokens the target accepted")
         self.queue_depth = gauge("queue_depth", "Requests waiting for a batch slot")
         self.running_requests = gauge("running_requests", "Requests with sequences in the batch")
         # By the budget spent only: a client label would be unbounded, and name keys.
@@ -98,6 +108,10 @@ class Metrics:
         self.gamma.observe(report.gamma)
         self.batch_size.observe(report.batch_size)
         self.generated_tokens.inc(sum(len(row.new_tokens) for row in report.rows))
+        if report.grammar_s:
+            self.grammar_mask.observe(report.grammar_s)
+        self.grammar_draft_tokens.inc(sum(row.grammar_drafted for row in report.rows))
+        self.grammar_accepted_tokens.inc(sum(row.grammar_accepted for row in report.rows))
         if report.mode != "speculative":
             return
         method = report.method

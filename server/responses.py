@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
 
@@ -16,6 +17,7 @@ from specdec_core.sequence import SpecStats
 
 from .scheduler import Job, Logprob, TokenOut, Update
 from .schemas import APIError
+from .tools import ToolCallParser, split_calls
 
 
 @dataclass
@@ -139,6 +141,45 @@ class ChatFormat:
         }
 
 
+class ToolChatFormat(ChatFormat):
+    """Chat whose choices may call tools: text split into content and tool_calls (tools.ToolCallParser), a
+    streamed call in one delta.tool_calls chunk once its block closes, finish_reason tool_calls where there were
+    calls. A token held back (it may open a call) sends its logprobs with the next chunk."""
+
+    def __init__(self, logprobs: bool):
+        super().__init__(logprobs)
+        self.parsers: dict[int, ToolCallParser] = defaultdict(ToolCallParser)
+        self.held_logprobs: dict[int, list[dict]] = defaultdict(list)
+
+    def delta(self, index: int, token: TokenOut) -> dict | None:
+        content, calls = self.parsers[index].feed(token.text)
+        if self.logprobs:
+            self.held_logprobs[index].append(_chat_logprob(token.logprob))
+        return self._chunk(index, content, calls, None) if content or calls else None
+
+    def closing(self, index: int, reason: str) -> dict:
+        parser = self.parsers[index]
+        return self._chunk(index, parser.finish(), [], _tool_reason(reason, parser.calls))
+
+    def choice(self, index: int, tokens: list[TokenOut], reason: str, prompt_logprobs: list[Logprob] | None) -> dict:
+        choice = super().choice(index, tokens, reason, prompt_logprobs)
+        content, calls = split_calls(choice["message"]["content"])
+        choice["message"]["content"] = content
+        if calls:
+            choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = _tool_reason(reason, len(calls))
+        return choice
+
+    def _chunk(self, index: int, content: str, calls: list[dict], reason: str | None) -> dict:
+        delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        logprobs = {"content": self.held_logprobs.pop(index, [])} if self.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _tool_reason(reason: str, calls: int) -> str:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 def _chat_logprob(item: Logprob) -> dict:
     def entry(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
@@ -146,7 +187,7 @@ def _chat_logprob(item: Logprob) -> dict:
     return {**entry(item.token, item.logprob), "top_logprobs": [entry(token, logprob) for token, logprob in item.top]}
 
 
-Format = CompletionFormat | ChatFormat
+Format = CompletionFormat | ChatFormat  # ToolChatFormat among the latter
 
 
 def _json(data: dict) -> str:
@@ -184,7 +225,9 @@ async def stream(
             if opening:
                 yield chunk(opening)
             for token in update.tokens:
-                yield chunk(fmt.delta(update.index, token))
+                delta = fmt.delta(update.index, token)
+                if delta is not None:  # None: held back (text that may open a tool call)
+                    yield chunk(delta)
             if update.finish_reason:
                 finals.append(update)
                 yield chunk(fmt.closing(update.index, update.finish_reason))

@@ -17,13 +17,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
 
+from specdec_core.grammar import CompiledGrammar, GrammarError, GrammarSpec
 from specdec_core.sequence import Sequence
 
 from .guard import ADDRESS_PREFIX
 from .metrics import CLIENT_CLOSED
 from .rate_limit import MeteredJob
 from .request_limits import check_prompt_tokens, check_request
-from .responses import ChatFormat, CompletionFormat, Envelope, Format, collect, stream
+from .responses import ChatFormat, CompletionFormat, Envelope, Format, ToolChatFormat, collect, stream
 from .scheduler import Choice, Job, ModelInfo, Scheduler
 from .schemas import (
     ERROR_RESPONSES,
@@ -33,6 +34,7 @@ from .schemas import (
     SamplingRequest,
     prompt_items,
 )
+from .tools import response_grammar, template_input, tool_grammar
 
 router = APIRouter(responses=ERROR_RESPONSES)
 # One thread: the event loop stays free, and its tokenizer copy is never used by two threads at once.
@@ -77,7 +79,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echo_texts = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
     fmt = CompletionFormat(logprobs=body.logprobs is not None, echo_texts=echo_texts)
     echo_logprobs = body.echo and body.logprobs is not None
-    return await _run(request, body, [ids for ids, _ in prompts], body.max_tokens, body.logprobs, echo_logprobs, fmt)
+    grammar = await _compiled(model, response_grammar(body), "response_format")
+    return await _run(request, body, [ids for ids, _ in prompts], body.max_tokens, body.logprobs, echo_logprobs, fmt,
+                      grammar)
 
 
 @router.post("/v1/chat/completions")
@@ -88,10 +92,15 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     tokenizer = model.tokenizer
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    messages = [message.as_template_input() for message in body.messages]
+    spec = tool_grammar(body, model.tool_format)  # checks the tools first: they may not go with response_format
+    field = "tools"
+    if spec is None:
+        spec, field = response_grammar(body), "response_format"
+    messages, tools = template_input(body, tokenizer.chat_template)
     try:
         ids = await _off_loop(
-            lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            lambda: tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
         )
     except Exception as exc:  # the template itself rejects some conversations (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
@@ -101,7 +110,19 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens or rest
     _check_length(len(ids), max_tokens, model.context_length, "messages")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _run(request, body, [list(ids)], max_tokens, top_logprobs, False, ChatFormat(logprobs=body.logprobs))
+    fmt = ToolChatFormat(body.logprobs) if body.calls_tools else ChatFormat(body.logprobs)
+    grammar = await _compiled(model, spec, field)
+    return await _run(request, body, [list(ids)], max_tokens, top_logprobs, False, fmt, grammar)
+
+
+async def _compiled(model: ModelInfo, spec: GrammarSpec | None, field: str) -> CompiledGrammar | None:
+    """The request's grammar, compiled (or found compiled) off the event loop; a 400 naming `field` when it cannot be."""
+    if spec is None:
+        return None
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, model.grammars.compile, spec, field)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=field) from None
 
 
 def _model(request: Request, body: SamplingRequest) -> ModelInfo:
@@ -152,8 +173,10 @@ async def _run(
     top_logprobs: int | None,
     echo_logprobs: bool,
     fmt: Format,
+    grammar: CompiledGrammar | None = None,
 ) -> Response:
-    """Submit n sequences per prompt as one job; answer with JSON or an SSE stream."""
+    """Submit n sequences per prompt as one job, each bound to `grammar` if given; answer with JSON or an SSE
+    stream."""
     scheduler: Scheduler = request.app.state.scheduler
     envelope = Envelope(fmt.prefix, request.app.state.model_name)
     client = request.state.client  # the guard's name for the caller: an API key's hash, else the address
@@ -163,7 +186,8 @@ async def _run(
             index = len(choices)
             params = body.sampling(i, scheduler.model.vocab_size)
             seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs, client=client,
-                           cache_namespace=cache_namespace(client, body.cache_salt))
+                           cache_namespace=cache_namespace(client, body.cache_salt),
+                           grammar=scheduler.model.grammars.state(grammar) if grammar is not None else None)
             choices.append(Choice(index, seq, body.stop, echo_logprobs))
     job = MeteredJob(choices, request.app.state.limiter, client)
     scheduler.submit(job)

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec_core.config import GrammarConfig
 from specdec_core.engine import Admission, Engine
+from specdec_core.grammar import Grammars
+from specdec_core.models.catalogue import REGISTRY
 from specdec_core.sequence import Sequence, SpecStats
 
 from .detokenize import Piece, TextOutput
@@ -117,14 +120,18 @@ class ModelInfo:
     tokenizer: object  # a copy: the engine's own tokenizer belongs to the worker thread
     vocab_size: int
     context_length: int
+    grammars: Grammars  # compiles response_format and tools (in threads of their own)
+    tool_format: str  # how the model writes tool calls (server/tools.py)
 
 
 class Scheduler:
     """Queue, continuous batching and the worker thread."""
 
-    def __init__(self, load: Callable[[], Engine], settings: ServerConfig, metrics: Metrics):
+    def __init__(self, load: Callable[[], Engine], settings: ServerConfig, metrics: Metrics,
+                 grammar: GrammarConfig | None = None):
         self._load = load
         self.settings = settings
+        self.grammar = grammar or GrammarConfig()
         self.metrics = metrics
         self.state = "loading"  # loading -> ready -> draining -> stopped, or loading -> failed
         self.error: str | None = None
@@ -194,21 +201,29 @@ class Scheduler:
 
     # -- worker side ---------------------------------------------------------
 
+    def _model_info(self, engine: Engine) -> ModelInfo:
+        config, target, grammar = engine.target.config, engine.target, self.grammar
+        tokenizer = copy.deepcopy(target.tokenizer)
+        entry = REGISTRY.get(target.name)
+        return ModelInfo(
+            tokenizer=tokenizer,
+            vocab_size=target.vocab_size,
+            context_length=self.settings.max_model_len or config.max_position_embeddings,
+            grammars=Grammars(tokenizer, target.vocab_size, engine.eos_token_ids, grammar.compile_timeout_s,
+                              grammar.cache_entries, on_compile=self.metrics.grammar_compile.observe),
+            tool_format=grammar.tool_format or (entry.tool_format if entry else "hermes"),
+        )
+
     def _run(self) -> None:
         try:
             engine = self._load()
+            self.model = self._model_info(engine)
         except Exception as exc:
             # /health tells that it failed and where to look; the cause is in the log, as for any 5xx.
             self.error, self.state = internal_error("loading the models failed", exc).message, "failed"
             if self.on_load_error:
                 self.on_load_error()
             return
-        config = engine.target.config
-        self.model = ModelInfo(
-            tokenizer=copy.deepcopy(engine.target.tokenizer),
-            vocab_size=engine.target.vocab_size,
-            context_length=self.settings.max_model_len or config.max_position_embeddings,
-        )
         self.engine = engine
         self.metrics.serving(engine.method, engine.controller.gamma_max)
         self.metrics.watch_prefill(engine)

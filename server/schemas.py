@@ -8,6 +8,7 @@ is not a token id, NaN is not a temperature; the client is told, not guessed at.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from typing import Annotated, Any, Literal
@@ -155,6 +156,32 @@ class StreamOptions(Schema):
     include_usage: bool = False
 
 
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's, for a schema's and a function's name
+
+
+class TextResponse(Schema):
+    type: Literal["text"]
+
+
+class JsonObjectResponse(Schema):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(Schema):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="The JSON Schema the output must follow")
+    strict: bool | None = None  # accepted for compatibility: the output always follows the schema
+
+
+class JsonSchemaResponse(Schema):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextResponse | JsonObjectResponse | JsonSchemaResponse, Field(discriminator="type")]
+
+
 class SamplingRequest(Schema):
     """The fields completions and chat share."""
 
@@ -172,6 +199,7 @@ class SamplingRequest(Schema):
     user: str | None = None  # accepted for compatibility; not used
     # vLLM's name: requests share cached prompt chunks only when their salts (and API keys) are equal.
     cache_salt: str | None = Field(None, max_length=256)
+    response_format: ResponseFormat | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -245,14 +273,86 @@ class TextPart(Schema):
     text: Text
 
 
+class FunctionCall(Schema):
+    name: str
+    arguments: str  # a JSON object, as text (as OpenAI returns it)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            raise ValueError("is not JSON: send the arguments the assistant message's tool call carried") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        return arguments
+
+
+class ToolCall(Schema):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Schema):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this answers
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may instead carry tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool messages, and only they, carry tool_call_id: the id of the call they answer")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
     def as_template_input(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        message = {"role": self.role, "content": self.text} | ({"name": self.name} if self.name else {})
+        if self.tool_calls:  # templates write the arguments out as JSON themselves
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionSpec(Schema):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: any JSON object
+    strict: bool | None = None  # accepted for compatibility: the arguments always follow the schema
+
+
+class Tool(Schema):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(Schema):
+    name: str
+
+
+class NamedToolChoice(Schema):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatRequest(SamplingRequest):
@@ -261,6 +361,14 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # none given: auto with tools, none without
+    parallel_tool_calls: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model may call the request's tools."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("top_logprobs")
     @classmethod

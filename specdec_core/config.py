@@ -130,6 +130,13 @@ class PrefillConfig(Section):
     keep_bf16_weights: bool = Field(True, description="Quantized targets keep a bf16 copy of their weights for passes of 128 tokens and more (2.6 GB for the 1.5B), so that each prefill chunk does not dequantize every weight again (measured: 0.57 against 0.92 s a 256-token chunk)")
 
 
+class GrammarConfig(Section):
+    compile_timeout_s: float = Field(5.0, gt=0, description="Longest a response_format schema or a request's tools may take to compile into a grammar; past it the request gets a 400 (the compile finishes in the background and is kept)")
+    cache_entries: int = Field(256, ge=1, description="Compiled grammars kept, by their schema's hash; the least recently used leave first")
+    drafts: bool = Field(True, description="Rows with a grammar draft its forced continuation (a JSON key, a tool call's opening) before the drafter's tokens, counted apart (usage.speculative.grammar_draft_tokens); speculation.drafter none drafts nothing")
+    tool_format: Literal["hermes"] | None = Field(None, description="How the model writes tool calls; null: the registry entry's, else hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes)")
+
+
 class Config(Section):
     """The runtime's sections of a config file. The file also holds the server's (server/settings.py), which
     the runtime and the tools leave alone: `specdec serve` validates the whole file, unknown sections too."""
@@ -139,6 +146,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The target model")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Drafting and control")
     prefill: PrefillConfig = Field(default_factory=PrefillConfig, description="Chunked prefill and the prefix cache")
+    grammar: GrammarConfig = Field(default_factory=GrammarConfig, description="Structured outputs and tool calls: response_format, tools")
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":
@@ -155,22 +163,22 @@ class Config(Section):
 
 def with_overrides(config: Config, spec: str) -> Config:
     """`name` or `name:key=value:...` as a config with that drafter; keys are dotted paths under `speculation`,
-    or under `model` or `prefill` when they start with that section's name (as in suffix:model.step=compiled or
-    suffix:prefill.cache=false)."""
+    or under `model`, `prefill` or `grammar` when they start with that section's name (as in
+    suffix:model.step=compiled or suffix:grammar.drafts=false)."""
     name, *pairs = spec.split(":")
     data = config.model_dump()
     data["speculation"]["drafter"] = name
     for pair in pairs:
         key, _, value = pair.partition("=")
         *path, leaf = key.split(".")
-        section = path[0] if path[:1] in (["model"], ["prefill"]) else "speculation"
+        section = path[0] if path[:1] in (["model"], ["prefill"], ["grammar"]) else "speculation"
         path = path[1:] if section != "speculation" else path
         node = data[section]
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node or not value:
-            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section, of model. or"
-                             " of prefill. (as in distilled:distilled.student=NAME, layer-skip:layer_skip.k=8,"
-                             " ngram:model.step=compiled or plain:prefill.cache=false)")
+            raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section, of model.,"
+                             " prefill. or grammar. (as in distilled:distilled.student=NAME, layer-skip:layer_skip.k=8,"
+                             " ngram:model.step=compiled, plain:prefill.cache=false or suffix:grammar.drafts=false)")
         node[leaf] = yaml.safe_load(value)
     return type(config).model_validate(data)

@@ -69,7 +69,7 @@ class StepReport:
     gamma: int
     draft_s: float
     verify_s: float
-    grammar_s: float = 0.0  # walking the grammars of constrained rows down the proposal, for their masks
+    grammar_s: float = 0.0  # walking the grammars of constrained rows down the proposal, for their masks (0: none)
     rows: list[RowResult] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft token at j was kept
     drafted_per_position: list[int] = field(default_factory=list)
@@ -273,7 +273,7 @@ class Engine:
         proposal = self._propose(seqs, gamma)
         draft_s = time.perf_counter() - start
         proposal, masks = self._constrain(seqs, proposal)
-        grammar_s = time.perf_counter() - start - draft_s
+        grammar_s = time.perf_counter() - start - draft_s if any(mask is not None for mask in masks) else 0.0
         verdict = self._verify(seqs, proposal, masks)
         return self._commit(seqs, proposal, verdict, gamma, draft_s, grammar_s)
 

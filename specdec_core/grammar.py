@@ -26,6 +26,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf")
 
 
+CompiledGrammar = xgr.CompiledGrammar
+
+
 class GrammarError(ValueError):
     """A format that cannot constrain decoding: the request's to fix. `field` names where, as the client wrote it."""
 
@@ -79,12 +83,12 @@ def check_schema(schema: Any, field: str) -> None:
     """Refuse a schema that is not JSON Schema, or that asks for what the grammar would not enforce (so that every
     output validates): GrammarError naming the keyword's place under `field`."""
     if not isinstance(schema, dict):
-        raise GrammarError("must be a JSON Schema object", field)
+        raise GrammarError(f"{field} must be a JSON Schema object", field)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in exc.path)
-        raise GrammarError(f"is not a valid JSON Schema: {field}{where}: {exc.message}", field) from None
+        raise GrammarError(f"{field} is not a valid JSON Schema: {field}{where}: {exc.message}", field) from None
     _check_keywords(schema, field)
 
 
@@ -120,7 +124,7 @@ class Grammars:
     is kept, so nothing else waits behind it."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], timeout_s: float = 5.0,
-                 cache_entries: int = 256):
+                 cache_entries: int = 256, on_compile: Callable[[float], None] | None = None):
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
@@ -128,9 +132,9 @@ class Grammars:
         self.cache_entries = cache_entries
         self._compiled: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
-        self.compile_s: list[float] = []  # each compile's time, for metrics (drained by the reader)
+        self.on_compile = on_compile  # told each compile's seconds (metrics)
 
-    def compile(self, spec: GrammarSpec, field: str) -> xgr.CompiledGrammar:
+    def compile(self, spec: GrammarSpec, field: str) -> CompiledGrammar:
         """The compiled grammar of spec; GrammarError (naming `field`) for one xgrammar refuses or that takes too long."""
         with self._lock:
             future = self._compiled.get(spec.digest)
@@ -144,11 +148,12 @@ class Grammars:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise GrammarError(
-                f"took longer than {self.timeout_s:g} s to compile into a grammar (grammar.compile_timeout_s); "
+                f"{field} took longer than {self.timeout_s:g} s to compile into a grammar (grammar.compile_timeout_s); "
                 "simplify the schema", field,
             ) from None
         except (RuntimeError, ValueError) as exc:  # xgrammar's words for what it cannot take
-            raise GrammarError(f"cannot be compiled into a grammar: {str(exc).strip().splitlines()[-1]}", field) from None
+            reason = str(exc).strip().splitlines()[-1]
+            raise GrammarError(f"{field} cannot be compiled into a grammar: {reason}", field) from None
 
     def _run(self, spec: GrammarSpec, future: Future) -> None:
         start = time.perf_counter()
@@ -164,12 +169,13 @@ class Grammars:
         except Exception as exc:
             future.set_exception(exc)
             return
-        self.compile_s.append(time.perf_counter() - start)
+        if self.on_compile:
+            self.on_compile(time.perf_counter() - start)
         future.set_result(compiled)
 
-    def state(self, compiled: xgr.CompiledGrammar, stop_token_ids: set[int]) -> GrammarState:
-        """A new sequence's matcher; it ends at any of `stop_token_ids` (what the engine stops the sequence on)."""
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids)), self.vocab_size)
+    def state(self, compiled: CompiledGrammar) -> GrammarState:
+        """A new sequence's matcher; it ends at any of the stop tokens (those the engine ends a sequence at)."""
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 # xgrammar 0.2.9 spells a string with minLength or maxLength as {n,m} of [^"\\\r\n], which lets raw control

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .grammar import GrammarState
 from .sampling import PositionNoise, SamplingParams
+
+if TYPE_CHECKING:  # the grammar sits above sequences in the core's layers (pyproject.toml)
+    from .grammar import GrammarState
 
 
 @dataclass

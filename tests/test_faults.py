@@ -337,7 +337,9 @@ def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(served, bystanders)
     check()
     print(f"\nfuzzing: {sum(statuses.values())} requests, by status {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= FUZZ_REQUESTS
-    assert statuses[200] >= FUZZ_REQUESTS // 10, statuses  # a good share got through to decoding
+    # A good share got through to decoding: fewer than before response_format and tools, whose generated JSON
+    # Schemas the schema check mostly refuses (400s naming the field).
+    assert statuses[200] >= FUZZ_REQUESTS // 20, statuses
 
 
 # -- bad input -----------------------------------------------------------------------------

@@ -170,8 +170,10 @@ def test_completion_text_and_usage(served, tokenizer):
     assert usage.completion_tokens == 12 and usage.total_tokens == usage.prompt_tokens + 12
     spec = speculative(usage)
     assert set(spec) == {
-        "method", "draft_tokens", "accepted_tokens", "verify_steps", "acceptance_rate", "mean_accepted_length", "mean_gamma"
+        "method", "draft_tokens", "accepted_tokens", "verify_steps", "acceptance_rate", "mean_accepted_length", "mean_gamma",
+        "grammar_draft_tokens", "grammar_accepted_tokens",
     }
+    assert spec["grammar_draft_tokens"] == 0  # no response_format, no tools: no grammar
     assert spec["method"] == "draft-model" and spec["verify_steps"] > 0
     assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
     assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
@@ -318,7 +320,7 @@ def test_chat_logprobs_and_max_tokens(served):
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"banana": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL}, "prompt"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "audio": {}}, "audio"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
 )

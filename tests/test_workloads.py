@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jsonschema
 import pytest
 
 from specdec_cli.main import main
 from specdec_core.config import Config, with_overrides
 from specdec_tools.bench.prompts import Prompt
+from specdec_tools.grammar_cost import instance
 from specdec_tools.bench.runner import Bench, Method, Run, run_block
 from specdec_tools.bench.workloads import (
     CHAT_TURNS,
@@ -260,3 +262,31 @@ def test_a_failed_or_interrupted_run_stops_the_bench_with_the_blocks_it_finished
     assert {r["block"] for r in results["runs"]} == {0} and {r["method"] for r in results["runs"]} == {"plain", "ngram"}
     assert [s["id"] for s in results["sequences"]] == ["cold/multi-turn/1/1"]
     assert "Stopped before its end" in (out / "report.md").read_text()
+
+
+def test_the_json_workload_decodes_every_method_under_its_schema():
+    """Each request carries its schema; every method's output is the schema's (valid where it ended by stop), the
+    grammar drafting beside the drafter, and plain decoding constrained too; a method off the engine refuses."""
+    session_prompts = []
+    for session in workloads(Path("unused.jsonl"))["json"].sessions(12):
+        drive(session, lambda prompt: session_prompts.append(prompt) or "")
+    assert len(session_prompts) == 12 and all(p.schema and json.dumps(p.schema) in p.text for p in session_prompts)
+    config = Config.load("configs/tiny-random.yaml")
+    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("suffix:grammar.drafts=false", "suffix",
+                                                                           settings="grammar.drafts=false")]
+    bench = Bench(config, methods, temperature=0.8, seed=0)  # seeded: every method draws the same text
+    runs = [bench.run(method, session_prompts[:6], 600, block=0) for method in methods]
+    assert runs[0].outputs == runs[1].outputs == runs[2].outputs
+    assert runs[1].grammar_accepted_tokens > 0 and runs[2].grammar_draft_tokens == runs[0].grammar_draft_tokens == 0
+    stopped = [(prompt, output) for prompt, output, finish in zip(session_prompts, runs[0].outputs, runs[0].finish_reasons)
+               if finish == "stop"]
+    assert stopped, "no output ended by stop: validity says nothing"
+    for prompt, output in stopped:
+        jsonschema.validate(json.loads(bench.target.tokenizer.decode(output, skip_special_tokens=True)), prompt.schema)
+    with pytest.raises(ValueError, match="does not take a schema"):
+        bench.run(Method("hf-lookup", "hf-lookup"), session_prompts[:1], 8, block=0)
+
+
+def test_the_cost_tools_instances_are_valid_against_every_shipped_schema():
+    for session in workloads(Path("unused.jsonl"))["json"].sessions(12):
+        drive(session, lambda prompt: jsonschema.validate(instance(prompt.schema), prompt.schema) or "")

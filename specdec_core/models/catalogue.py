@@ -42,6 +42,9 @@ class RegistryEntry:
     gguf_sha256: str
     gguf_size: int
     chat_template: bool
+    # How the model writes tool calls: hermes, <tool_call> JSON blocks (Qwen2.5's template; a template without
+    # tools gets them described in those words by the server: server/tools.py).
+    tool_format: str = "hermes"
 
 
 def _parts(dist: str, version: str, member: str, hashes: list[str]) -> tuple[Wheel, ...]:

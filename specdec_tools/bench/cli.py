@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", type=_list,
         help="replay serving workloads instead of single prompts: comma-separated of spec-bench, multi-turn, "
-        "code-edit, agentic, chat-ui (specdec_tools/bench/workloads.py says what each is); each runs cold, then warm "
+        "code-edit, agentic, chat-ui, json (specdec_tools/bench/workloads.py says what each is); each runs cold, then warm "
         "(memories of earlier requests first filled by other sessions); --num-prompts is sessions per workload",
     )
     parser.add_argument("--out", default="bench-out", help="output directory")

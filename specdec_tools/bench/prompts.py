@@ -24,6 +24,7 @@ class Prompt:
     text: str  # the last user turn
     history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of the conversation, oldest first
     system: str = ""  # the system prompt, if the conversation has one
+    schema: dict | None = None  # the JSON Schema the answer must follow (response_format), if any
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation as chat messages, ending with the user's turn."""

@@ -12,6 +12,7 @@ another's runs of the same prompt.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import zlib
@@ -26,6 +27,7 @@ from specdec_core.config import Config, with_overrides
 from specdec_core.control import Controller
 from specdec_core.drafters.registry import REGISTRY
 from specdec_core.engine import Engine, StepReport
+from specdec_core.grammar import Grammars, GrammarSpec, GrammarState
 from specdec_core.models.runner import ModelRunner
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence as Seq
@@ -140,6 +142,9 @@ class Run:
     verify_steps: int = 0  # row-steps that verified at least one draft token
     gamma_sum: int = 0
     emitted_in_verify: int = 0
+    grammar_draft_tokens: int = 0  # a schema's forced continuations, drafted (counted apart from the drafter's)
+    grammar_accepted_tokens: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)  # per row (ours only)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     ratio: float | None = None  # tokens/s over the adjacent plain run(s)
@@ -210,6 +215,7 @@ class Bench:
             if m.on_engine
         }
         self._ids: dict[str, list[int]] = {}
+        self._grammars: Grammars | None = None  # made at the first prompt with a schema
 
     @property
     def target(self) -> ModelRunner:
@@ -239,11 +245,22 @@ class Bench:
             self._ids[prompt.id] = encode(self.target.tokenizer, prompt)
         return self._ids[prompt.id]
 
+    def grammar(self, prompt: Prompt) -> GrammarState | None:
+        """A new matcher of the prompt's schema, compiled once (None without one)."""
+        if prompt.schema is None:
+            return None
+        if self._grammars is None:
+            target = self.target
+            self._grammars = Grammars(target.tokenizer, target.vocab_size, self.engines[PLAIN].eos_token_ids)
+        return self._grammars.state(self._grammars.compile(GrammarSpec("json_schema", json.dumps(prompt.schema)), prompt.id))
+
     def params(self, prompt: Prompt) -> SamplingParams:
         # A per-prompt seed: every method samples a prompt with the same seed, whatever the block.
         return SamplingParams(temperature=self.temperature, seed=self.seed + zlib.crc32(prompt.id.encode()))
 
     def run(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
+        if not method.on_engine and method.drafter != "none" and any(p.schema for p in prompts):
+            raise ValueError(f"{method.label} does not take a schema: prompts with one (the json workload) run on the engine")
         if method.drafter in LLAMA_CPP_METHODS:
             return self._run_llama_cpp(method, prompts, max_tokens, block)
         if method.external:
@@ -256,7 +273,8 @@ class Bench:
         if controller is not None:
             engine.controller = controller
             controller.chosen.clear()
-        seqs = [Seq(f"{method.label}/{p.id}", self.prompt_ids(p), self.params(p), max_tokens) for p in prompts]
+        seqs = [Seq(f"{method.label}/{p.id}", self.prompt_ids(p), self.params(p), max_tokens, grammar=self.grammar(p))
+                for p in prompts]
         start = time.perf_counter()
         for seq in seqs:
             engine.add(seq)
@@ -276,6 +294,9 @@ class Bench:
             run.verify_steps += stats.verify_steps
             run.gamma_sum += stats.gamma_sum
             run.emitted_in_verify += stats.emitted_tokens
+            run.grammar_draft_tokens += stats.grammar_draft_tokens
+            run.grammar_accepted_tokens += stats.grammar_accepted_tokens
+        run.finish_reasons = [seq.finish_reason for seq in seqs]
         return run
 
     def _run_hf(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:

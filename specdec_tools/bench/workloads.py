@@ -9,6 +9,9 @@ per method, so that what a drafter remembers across requests counts as it would 
 - `agentic`: a coding agent's loop over a standard-library module, a function per step. Each request resends
   the whole conversation with new tool output: the file as read back after the agent's last edit (applied
   when the answer holds a complete code block) and the edit's unified diff.
+- `json`: JSON extraction under a schema (response_format): 12 short texts written for this project (a job
+  posting, an invoice, a flight booking...), each with a schema of nested objects, enums, bounded arrays and
+  number ranges; every request decodes under its schema's grammar, plain decoding too.
 - `chat-ui`: a chat UI's conversation, CHAT_TURNS turns over a long system prompt (a standard-library module's
   source, about 2,000 tokens, as a documentation assistant's context), each turn resending the
   whole history, as chat UIs do.
@@ -238,6 +241,19 @@ def _chat_ui(count: int) -> list[Callable[[], Session]]:
     return [_chat_session(m) for m in CHAT_MODULES[:count]]
 
 
+JSON_TEXTS = Path(__file__).with_name("data") / "json_extraction.jsonl"
+
+
+def _json(count: int) -> list[Callable[[], Session]]:
+    sessions = []
+    for line in JSON_TEXTS.read_text().splitlines():
+        item = json.loads(line)
+        text = (f"Extract the information in this text as JSON, following this JSON Schema:\n\n```json\n"
+                f"{json.dumps(item['schema'])}\n```\n\nText:\n{item['text']}")
+        sessions.append(_single(Prompt(f"json/{item['id']}", "json", text, schema=item["schema"])))
+    return sessions[:count]
+
+
 def workloads(spec_bench: Path) -> dict[str, Workload]:
     """Every workload, by name; Spec-Bench's file gives the first two."""
     return {
@@ -248,6 +264,7 @@ def workloads(spec_bench: Path) -> dict[str, Workload]:
         "agentic": Workload("agentic", "an agent loop over this Python's standard-library modules, PSF licence", _agentic),
         "chat-ui": Workload("chat-ui", "a documentation chat over this Python's standard-library modules, PSF licence",
                             _chat_ui),
+        "json": Workload("json", f"texts written for this project, each with a JSON Schema to fill ({JSON_TEXTS.name})", _json),
     }
 
 
