@@ -41,4 +41,4 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
         block_bytes = prefill.chunk_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
         cache = PrefixCache(prefill.chunk_tokens, prefill.cache_bytes, block_bytes)
     return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, prefill.chunk_tokens, cache,
-                  grammar_drafts=config.grammar.drafts)
+                  grammar_draft_tokens=config.grammar.draft_tokens)

@@ -133,7 +133,7 @@ class PrefillConfig(Section):
 class GrammarConfig(Section):
     compile_timeout_s: float = Field(5.0, gt=0, description="Longest a response_format schema or a request's tools may take to compile into a grammar; past it the request gets a 400 (the compile finishes in the background and is kept)")
     cache_entries: int = Field(256, ge=1, description="Compiled grammars kept, by their schema's hash; the least recently used leave first")
-    drafts: bool = Field(True, description="Rows with a grammar draft its forced continuation (a JSON key, a tool call's opening) before the drafter's tokens, counted apart (usage.speculative.grammar_draft_tokens); speculation.drafter none drafts nothing")
+    draft_tokens: int = Field(16, ge=0, description="Most tokens of its grammar's forced continuation (a JSON key, a tool call's opening) a row drafts in a step, before the drafter's, counted apart (usage.speculative.grammar_draft_tokens); 0 drafts none, and so does speculation.drafter none")
     tool_format: Literal["hermes"] | None = Field(None, description="How the model writes tool calls; null: the registry entry's, else hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes)")
 
 
@@ -164,7 +164,7 @@ class Config(Section):
 def with_overrides(config: Config, spec: str) -> Config:
     """`name` or `name:key=value:...` as a config with that drafter; keys are dotted paths under `speculation`,
     or under `model`, `prefill` or `grammar` when they start with that section's name (as in
-    suffix:model.step=compiled or suffix:grammar.drafts=false)."""
+    suffix:model.step=compiled or suffix:grammar.draft_tokens=0)."""
     name, *pairs = spec.split(":")
     data = config.model_dump()
     data["speculation"]["drafter"] = name
@@ -179,6 +179,6 @@ def with_overrides(config: Config, spec: str) -> Config:
         if not isinstance(node, dict) or leaf not in node or not value:
             raise ValueError(f"{spec!r}: {pair!r} is not key=value with a key of the speculation section, of model.,"
                              " prefill. or grammar. (as in distilled:distilled.student=NAME, layer-skip:layer_skip.k=8,"
-                             " ngram:model.step=compiled, plain:prefill.cache=false or suffix:grammar.drafts=false)")
+                             " ngram:model.step=compiled, plain:prefill.cache=false or suffix:grammar.draft_tokens=0)")
         node[leaf] = yaml.safe_load(value)
     return type(config).model_validate(data)

@@ -124,7 +124,7 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
         unseeded_rule: str = "rejection", chunk_tokens: int = 192, prefix_cache: PrefixCache | None = None,
-        grammar_drafts: bool = True,
+        grammar_draft_tokens: int = 16,
     ):
         if unseeded_rule not in SAMPLING_RULES:
             raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
@@ -136,7 +136,7 @@ class Engine:
         self.cache = target.new_cache()
         self.chunk_tokens = chunk_tokens
         self.prefix_cache = prefix_cache
-        self.grammar_drafts = grammar_drafts  # rows with a grammar draft its forced continuation first
+        self.grammar_draft_tokens = grammar_draft_tokens  # most of a grammar's forced continuation a row drafts first
         self.chunks = 0  # prefill passes run, for metrics
         self.seqs: list[Sequence] = []
         if drafter:
@@ -282,9 +282,9 @@ class Engine:
         budget; trees come back with exactly their nodes' parents."""
         # Never draft past a row's token budget: the step emits at most remaining tokens.
         budgets = [max(seq.remaining - 1, 0) for seq in seqs]
-        if self.drafter and self.grammar_drafts and any(seq.grammar is not None for seq in seqs):
+        if self.drafter and self.grammar_draft_tokens and any(seq.grammar is not None for seq in seqs):
             speculating = len(seqs) <= self.controller.max_speculative_batch
-            proposal = grammar_drafts.propose(self.drafter, seqs, gamma, self.controller.gamma_max * speculating, budgets)
+            proposal = grammar_drafts.propose(self.drafter, seqs, gamma, self.grammar_draft_tokens * speculating, budgets)
         elif self.drafter and gamma:
             proposal = self.drafter.propose(seqs, gamma)
         else:

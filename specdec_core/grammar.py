@@ -127,6 +127,7 @@ class Grammars:
                  cache_entries: int = 256, on_compile: Callable[[float], None] | None = None):
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.vocabulary = Vocabulary(self.info, vocab_size, tokenizer.eos_token_id, stop_token_ids)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.cache_entries = cache_entries
@@ -175,7 +176,7 @@ class Grammars:
 
     def state(self, compiled: CompiledGrammar) -> GrammarState:
         """A new sequence's matcher; it ends at any of the stop tokens (those the engine ends a sequence at)."""
-        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocabulary)
 
 
 # xgrammar 0.2.9 spells a string with minLength or maxLength as {n,m} of [^"\\\r\n], which lets raw control
@@ -198,12 +199,36 @@ def _bounded_strings(schema: Any) -> Any:
     return out
 
 
+class Vocabulary:
+    """What the grammar drafter needs of the vocabulary: each token's bytes, the token that spells exactly some
+    bytes, the end-of-sequence token to draft, and the mask that allows only the stop tokens."""
+
+    def __init__(self, info: xgr.TokenizerInfo, size: int, eos_token_id: int | None, stop_token_ids: set[int]):
+        self.size = size
+        self.bytes = info.decoded_vocab
+        special = set(info.special_token_ids) | set(stop_token_ids)
+        self.token_of: dict[bytes, int] = {}
+        for token, text in enumerate(self.bytes):
+            if text and token not in special:
+                self.token_of.setdefault(text, token)
+        self.eos = eos_token_id if eos_token_id in stop_token_ids else min(stop_token_ids)
+        self.stops_only = torch.zeros(xgr.get_bitmask_shape(1, size), dtype=xgr.bitmask_dtype)
+        for token in stop_token_ids:
+            self.stops_only[0, token // 32] |= _bit(token % 32)
+
+
+def _bit(position: int) -> int:
+    """An int32 with bit `position` set (bit 31 is the sign)."""
+    return -(2**31) if position == 31 else 1 << position
+
+
 class GrammarState:
     """One sequence's place in its grammar: the masks for a step's proposal, and the tokens it forces."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int):
+    def __init__(self, matcher: xgr.GrammarMatcher, vocabulary: Vocabulary):
         self.matcher = matcher
-        self.vocab_size = vocab_size
+        self.vocabulary = vocabulary
+        self.vocab_size = vocabulary.size
 
     def _masks(self, rows: int) -> torch.Tensor:
         # All tokens allowed: what a position past a stop keeps (never read: the sequence ends at the stop).
@@ -250,11 +275,38 @@ class GrammarState:
         return allowed, masks[[0] + [node + 1 for node in allowed]]
 
     def forced(self, limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar's forced continuation spells from here (the matcher's jump-forward
-        string, in the longest vocabulary tokens): a draft the target mostly keeps. The state is as before."""
+        """Up to `limit` tokens the grammar's forced continuation spells from here, a draft the target mostly
+        keeps: the matcher's jump-forward string in the longest vocabulary tokens, its last piece too where one
+        token spells it (xgrammar leaves out a piece that longer tokens begin with, such as the ` "` before a
+        string value, which models mostly write as a token of its own), then the end of sequence where nothing
+        else may follow. The state is as before."""
         if limit <= 0 or self.matcher.is_terminated():
             return []
-        return self.matcher.find_jump_forward_tokens()[:limit]
+        vocabulary = self.vocabulary
+        tokens = self.matcher.find_jump_forward_tokens()
+        spelled = b"".join(vocabulary.bytes[token] for token in tokens)
+        forced = self.matcher.find_jump_forward_string().encode()
+        last = vocabulary.token_of.get(forced[len(spelled):]) if forced.startswith(spelled) else None
+        if last is not None:
+            tokens.append(last)
+        if len(tokens) < limit and self._only_stops_after(tokens):
+            tokens.append(vocabulary.eos)
+        return tokens[:limit]
+
+    def _only_stops_after(self, tokens: list[int]) -> bool:
+        """Whether, after `tokens`, the grammar allows nothing but a stop token. The state is as before."""
+        accepted = 0
+        for token in tokens:
+            if not self._accept(token):
+                break
+            accepted += 1
+        only_stops = False
+        if accepted == len(tokens) and self.matcher.is_completed() and not self.matcher.is_terminated():
+            mask = self._masks(1)
+            self._fill(mask, 0)
+            only_stops = torch.equal(mask, self.vocabulary.stops_only)
+        self.matcher.rollback(accepted)
+        return only_stops
 
     def advance(self, tokens: list[int]) -> None:
         """The tokens a step emitted (each allowed: drawn from masked logits, or a draft the walk allowed)."""

@@ -143,7 +143,7 @@ def test_forced_drafts_are_counted_apart_from_the_drafters(target, grammars):
 
 def test_grammar_drafts_are_off_when_configured_so(target, grammars, plain):
     seqs = constrained(target, grammars, "greedy")
-    engine = Engine(target, NgramDrafter(), Controller(gamma_max=4, fixed_gamma=3), eos_ids(target), grammar_drafts=False)
+    engine = Engine(target, NgramDrafter(), Controller(gamma_max=4, fixed_gamma=3), eos_ids(target), grammar_draft_tokens=0)
     decode(engine, seqs[::2], {3: seqs[1::2]})
     assert [seq.output_ids for seq in seqs] == plain["greedy"]
     assert sum(seq.stats.grammar_draft_tokens for seq in seqs) == 0

@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -228,3 +229,14 @@ def test_tool_calls_and_results_render_through_the_template(template):
     assert '"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
     assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in text
     assert '"description": "The weather in a city"' in text
+
+
+def test_the_readmes_structured_output_and_tool_examples_run(served):
+    """The README's example, as printed, against this server's model (random weights: what it prints is noise)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Structured outputs and tool calls"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    code = code[: code.index("```")]
+    namespace = {"client": served.client, "model": MODEL}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["call"].choices[0].message.tool_calls and namespace["answer"].choices[0].message.content is not None

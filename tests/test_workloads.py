@@ -272,8 +272,8 @@ def test_the_json_workload_decodes_every_method_under_its_schema():
         drive(session, lambda prompt: session_prompts.append(prompt) or "")
     assert len(session_prompts) == 12 and all(p.schema and json.dumps(p.schema) in p.text for p in session_prompts)
     config = Config.load("configs/tiny-random.yaml")
-    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("suffix:grammar.drafts=false", "suffix",
-                                                                           settings="grammar.drafts=false")]
+    methods = [Method("plain", "none"), Method("suffix", "suffix"), Method("suffix:grammar.draft_tokens=0", "suffix",
+                                                                           settings="grammar.draft_tokens=0")]
     bench = Bench(config, methods, temperature=0.8, seed=0)  # seeded: every method draws the same text
     runs = [bench.run(method, session_prompts[:6], 600, block=0) for method in methods]
     assert runs[0].outputs == runs[1].outputs == runs[2].outputs
