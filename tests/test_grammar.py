@@ -257,3 +257,20 @@ def test_a_proposal_keeps_nodes_renumbered_with_their_q():
     kept = proposal.keep([[0, 1, 2, 4]])
     assert kept.tokens.tolist() == [[10, 11, 12, 14]] and kept.parents == [[-1, -1, 0, 2]]
     assert kept.probs[0, :, 0].tolist() == [0, 1, 2, 4] and kept.forced == [1] and kept.origin == [[-1, 0, 1, 3]]
+
+
+def test_the_grammar_forces_whole_keys_and_the_end_of_sequence(target, grammars):
+    """The forced draft spells the whole jump-forward string where whole tokens can (xgrammar's own tokens leave
+    out the last piece when longer tokens begin with it), and at a finished object it is the end of sequence."""
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "size": {"type": "integer"}},
+              "required": ["kind", "size"], "additionalProperties": False}
+    state = grammars.state(grammars.compile(GrammarSpec("json_schema", json.dumps(schema)), "schema"))
+    forced = state.forced(16)
+    spelled = b"".join(grammars.vocabulary.bytes[token] for token in forced)
+    assert spelled == state.matcher.find_jump_forward_string().encode() == b'{"kind": "'
+    assert len(forced) > len(state.matcher.find_jump_forward_tokens())
+    state.advance(forced)
+    state.advance(target.tokenizer.encode('dog", "size": 3}'))
+    assert state.forced(16) == [grammars.vocabulary.eos] and state.forced(0) == []
+    state.advance([grammars.vocabulary.eos])
+    assert state.forced(16) == []
