@@ -85,7 +85,6 @@ class Verdict:
     hidden: tuple[torch.Tensor, ...] | None  # the pass's hidden states, when the drafter reads features
     verify_s: float
     paths: list[list[int]]  # per row, the kept draft indices (a tree's root to leaf); [] for a failed row
-    masks: list[torch.Tensor | None]  # per row with a grammar, its bitmasks for each position of the pass
     tokens: list[list[int] | None]  # per row, the tokens to emit; None: the row failed
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
@@ -329,8 +328,7 @@ class Engine:
             depths=None if offsets is None else offsets.to(device), hidden_states=self.wants_features,
             row_invariant=self.target.row_invariant,
         )
-        verdict = Verdict(logits, hidden, time.perf_counter() - start, paths=[[] for _ in seqs], masks=masks,
-                          tokens=[None] * len(seqs))
+        verdict = Verdict(logits, hidden, time.perf_counter() - start, paths=[[] for _ in seqs], tokens=[None] * len(seqs))
         targets, failures = self._row_targets(seqs, proposal, drafts, logits, masks)
         drafts = drafts.to(device)
         for by_tokens in (True, False):  # the two kinds of rule, each over all its rows

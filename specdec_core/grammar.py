@@ -69,9 +69,9 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A format to compile: any JSON object, a JSON schema, or an xgrammar structural tag (tool calls)."""
+    """A format to compile: a JSON schema, or an xgrammar structural tag (tool calls)."""
 
-    kind: Literal["json_object", "json_schema", "structural_tag"]
+    kind: Literal["json_schema", "structural_tag"]
     source: str = ""  # the schema or tag as JSON text
 
     @property
@@ -128,7 +128,6 @@ class Grammars:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocabulary = Vocabulary(self.info, vocab_size, tokenizer.eos_token_id, stop_token_ids)
-        self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.cache_entries = cache_entries
         self._compiled: OrderedDict[str, Future] = OrderedDict()
@@ -159,9 +158,7 @@ class Grammars:
     def _run(self, spec: GrammarSpec, future: Future) -> None:
         start = time.perf_counter()
         try:
-            if spec.kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
-            elif spec.kind == "json_schema":
+            if spec.kind == "json_schema":
                 # Not strict: a schema's unlisted properties stay allowed, as JSON Schema says; compact separators.
                 source = json.dumps(_bounded_strings(json.loads(spec.source)))
                 compiled = self.compiler.compile_json_schema(source, any_whitespace=False, strict_mode=False)
@@ -228,11 +225,10 @@ class GrammarState:
     def __init__(self, matcher: xgr.GrammarMatcher, vocabulary: Vocabulary):
         self.matcher = matcher
         self.vocabulary = vocabulary
-        self.vocab_size = vocabulary.size
 
     def _masks(self, rows: int) -> torch.Tensor:
         # All tokens allowed: what a position past a stop keeps (never read: the sequence ends at the stop).
-        return torch.full(xgr.get_bitmask_shape(rows, self.vocab_size), -1, dtype=xgr.bitmask_dtype)
+        return torch.full(xgr.get_bitmask_shape(rows, self.vocabulary.size), -1, dtype=xgr.bitmask_dtype)
 
     def _fill(self, masks: torch.Tensor, row: int) -> None:
         if not self.matcher.is_terminated():
