@@ -118,20 +118,21 @@ class Controller:
         gamma = self._decide(seqs)
         self.rows = {id(seq): self._row(seq) for seq in seqs}  # rows that left are forgotten
         for row in self.rows.values():
-            row.asking = min(gamma, max(row.seq.remaining - 1, 0))  # the engine trims drafts to that
+            row.asking = min(gamma, row.seq.draft_budget)  # the engine trims drafts to that
         return gamma
 
     def _decide(self, seqs: list[Sequence]) -> int:
         batch = len(seqs)
         if batch == 0 or batch > self.max_speculative_batch:
             return 0
-        cap = min(self.gamma_max, max(seq.remaining for seq in seqs) - 1)
+        cap = min(self.gamma_max, max(seq.draft_budget for seq in seqs))
         if self.fixed_gamma is not None:
             return max(min(self.fixed_gamma, cap), 0)
         plain = self.verify.estimate(batch)
         if plain is None:
             return 0  # measure a plain step first
-        alphas, fills = [self.alpha(seq) for seq in seqs], [self.fill(seq) for seq in seqs]
+        alphas = [self.alpha(seq) for seq in seqs]
+        fills = [self.fill(seq) if seq.speculate else 0.0 for seq in seqs]
         # A step in which no row drafts is a plain step, whatever gamma was asked.
         none_drafts = math.prod(1 - f for f in fills)
         best_gamma, best_rate = 0, batch / plain

@@ -279,8 +279,7 @@ class Engine:
     def _propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
         """The drafter's proposal (after the forced continuations of rows with a grammar) cut to each row's token
         budget; trees come back with exactly their nodes' parents."""
-        # Never draft past a row's token budget: the step emits at most remaining tokens.
-        budgets = [max(seq.remaining - 1, 0) for seq in seqs]
+        budgets = [seq.draft_budget for seq in seqs]
         if self.drafter and self.grammar_draft_tokens and any(seq.grammar is not None for seq in seqs):
             speculating = len(seqs) <= self.controller.max_speculative_batch
             proposal = grammar_drafts.propose(self.drafter, seqs, gamma, self.grammar_draft_tokens * speculating, budgets)

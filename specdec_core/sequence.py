@@ -62,6 +62,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     cached_tokens: int = 0  # prompt tokens the prefix cache gave (usage.prompt_tokens_details.cached_tokens)
     grammar: GrammarState | None = None  # what the output must follow (response_format, tools): grammar.py
+    speculate: bool = True  # False: this sequence is never drafted for (gamma 0), whatever the batch does
 
     @property
     def tokens(self) -> list[int]:
@@ -70,6 +71,11 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.max_tokens - len(self.output_ids)
+
+    @property
+    def draft_budget(self) -> int:
+        """Most tokens a step may draft for it: the step emits at most `remaining`, one of them the target's."""
+        return max(self.remaining - 1, 0) if self.speculate else 0
 
     @property
     def finished(self) -> bool:

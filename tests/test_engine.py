@@ -134,6 +134,22 @@ def test_tiny_batch_rows_equal_plain_greedy_alone(tiny_target, tiny_prompts, tin
             assert 0 < accepted < drafted and ragged(reports)
 
 
+@pytest.mark.parametrize("gamma", [None, 3], ids=["controller", "fixed-gamma-3"])
+def test_rows_that_do_not_speculate_get_no_drafts_and_the_same_tokens(tiny_target, tiny_prompts, tiny_references, gamma):
+    draft = DraftModelDrafter(perturbed(tiny_target, 0.1), tiny_target.vocab_size)
+    engine = Engine(tiny_target, draft, Controller(fixed_gamma=gamma), eos_ids(tiny_target))
+    seqs = [Sequence(f"row{i}", p, SamplingParams(temperature=0), TINY_LONGEST, speculate=i % 2 == 0)
+            for i, p in enumerate(tiny_prompts)]
+    reports = decode(engine, seqs)
+    assert_rows_match(seqs, tiny_references)
+    assert all(seq.stats.draft_tokens == 0 for seq in seqs[1::2])
+    assert any(seq.stats.draft_tokens > 0 for seq in seqs[::2])
+    # A batch in which no row speculates takes plain steps: the drafter is not asked.
+    alone = Sequence("alone", tiny_prompts[0], SamplingParams(temperature=0), TINY_LONGEST, speculate=False)
+    assert {report.mode for report in decode(engine, [alone])} == {"plain"}
+    assert "speculative" in {report.mode for report in reports}
+
+
 def test_tiny_config_engine_matches_plain_greedy(tiny_prompts, tiny_references):
     engine = build_engine(Config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny-random.yaml"))
     assert engine.method == "draft-model" and engine.target.dtype == torch.float32
