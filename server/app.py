@@ -30,7 +30,7 @@ from .guard import Guard
 from .keys import ApiKeys, load_keys
 from .metrics import Metrics, RequestCounter
 from .rate_limit import RateLimiter
-from .routes import router
+from .routes import PLAYGROUND_PATHS, router
 from .scheduler import Scheduler
 from .schemas import APIError, internal_error, validation_error
 from .settings import ServeConfig, ServerConfig
@@ -68,10 +68,12 @@ def create_app(config: ServeConfig, drafter: str | None = None) -> FastAPI:
     app.state.created = int(time.time())
     app.state.limits = security.limits
     app.state.limiter = RateLimiter(security.rate_limit, metrics)
+    app.state.playground = config.server.playground
     app.include_router(router)
     # The last added runs first: CORS answers preflights before the guard asks them for a key (and
     # adds its headers to the guard's refusals); the counter sees the guard's 401, 413 and 429.
-    app.add_middleware(Guard, settings=security, keys=keys, limiter=app.state.limiter)
+    pages = PLAYGROUND_PATHS if config.server.playground else frozenset()
+    app.add_middleware(Guard, settings=security, keys=keys, limiter=app.state.limiter, pages=pages)
     app.add_middleware(RequestCounter, metrics=metrics)
     if security.cors_origins:
         # Any header: the origin is the check; keys travel in a header, never in cookies (no credentials).

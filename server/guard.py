@@ -1,7 +1,8 @@
 """What stands between the network and the scheduler: `Guard`, a pure-ASGI middleware.
 
-It sees every HTTP request before FastAPI does. On every path but the open ones (/health, and /metrics
-when configured open) it checks the API key (keys.py), takes one request from the client's rate budget
+It sees every HTTP request before FastAPI does. On every path but the open ones (/health, /metrics when
+configured open, the playground's page and files) it checks the API key (keys.py), takes one request from the
+client's rate budget
 (rate_limit.py), and reads the body itself so that an oversized one is refused while it arrives. Limits
 on fields are the routes' (request_limits.py).
 """
@@ -24,15 +25,17 @@ ADDRESS_PREFIX = "address:"  # a caller named by its address, where the server h
 
 
 class Guard:
-    """ASGI middleware: API key, rate budget and body size on every path but the open ones."""
+    """ASGI middleware: API key, rate budget and body size on every path but the open ones: /health, /metrics
+    when configured open, and `pages` (the playground's files, which hold no secrets; their API calls carry the key)."""
 
-    def __init__(self, app: ASGIApp, settings: SecurityConfig, keys: ApiKeys, limiter: RateLimiter):
+    def __init__(self, app: ASGIApp, settings: SecurityConfig, keys: ApiKeys, limiter: RateLimiter,
+                 pages: frozenset[str] = frozenset()):
         self.app = app
         self.settings = settings
         self.keys = keys
         self.limiter = limiter
         # Everything else is guarded, not only /v1/*: FastAPI's /docs and unknown paths too.
-        self.open_paths = {"/health"} | ({"/metrics"} if settings.metrics == "open" else set())
+        self.open_paths = {"/health"} | ({"/metrics"} if settings.metrics == "open" else set()) | pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:

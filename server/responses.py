@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from specdec_core.sequence import SpecStats
 
 from .scheduler import Job, Logprob, TokenOut, Update
-from .schemas import APIError
+from .schemas import APIError, StreamOptions
 from .tools import ToolCallParser, split_calls
 
 
@@ -37,8 +37,9 @@ class Envelope:
 
 
 def usage(prompt_tokens: int, finals: list[Update], n: int) -> dict:
-    """OpenAI usage plus usage.speculative over all of the request's sequences. A prompt's tokens count once
-    however many choices (`n`) it has, and so do its cached tokens: its first choice's."""
+    """OpenAI usage plus usage.speculative over all of the request's sequences (each one's latest update: its final
+    one at the end, its figures so far in continuous usage stats). A prompt's tokens count once however many
+    choices (`n`) it has, and so do its cached tokens: its first choice's."""
     stats = SpecStats(method=finals[0].stats.method if finals else "none")
     for update in finals:
         for name in (f.name for f in fields(SpecStats) if f.name != "method"):
@@ -71,7 +72,7 @@ class CompletionFormat:
 
     def delta(self, index: int, token: TokenOut) -> dict:
         logprobs = _completion_logprobs([token.logprob], [self._base(index) + token.offset]) if self.logprobs else None
-        return self._choice(index, token.text, logprobs, None)
+        return self._choice(index, token.text, logprobs, None) | _sources([token])
 
     def closing(self, index: int, reason: str) -> dict:
         return self._choice(index, "", None, reason)
@@ -85,7 +86,7 @@ class CompletionFormat:
             logprobs = _completion_logprobs(prompt + [token.logprob for token in tokens], offsets)
         if self.echo_texts is not None:
             text = self.echo_texts[index] + text
-        return self._choice(index, text, logprobs, reason)
+        return self._choice(index, text, logprobs, reason) | _sources(tokens)
 
     def _base(self, index: int) -> int:
         return len(self.echo_texts[index]) if self.echo_texts is not None else 0
@@ -93,6 +94,11 @@ class CompletionFormat:
     @staticmethod
     def _choice(index: int, text: str, logprobs: dict | None, reason: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _sources(tokens: list[TokenOut]) -> dict:
+    """return_token_sources' field: where each of the tokens came from (drafter, grammar, target); {} unless asked."""
+    return {"token_sources": [token.source for token in tokens]} if tokens and tokens[0].source is not None else {}
 
 
 def _prompt_offsets(prompt: list[Logprob]) -> list[int]:
@@ -127,7 +133,8 @@ class ChatFormat:
 
     def delta(self, index: int, token: TokenOut) -> dict:
         logprobs = {"content": [_chat_logprob(token.logprob)]} if self.logprobs else None
-        return {"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": None}
+        delta = {"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": None}
+        return delta | _sources([token])
 
     def closing(self, index: int, reason: str) -> dict:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -138,23 +145,22 @@ class ChatFormat:
             "message": {"role": "assistant", "content": "".join(token.text for token in tokens)},
             "logprobs": {"content": [_chat_logprob(token.logprob) for token in tokens]} if self.logprobs else None,
             "finish_reason": reason,
-        }
+        } | _sources(tokens)
 
 
 class ToolChatFormat(ChatFormat):
     """Chat whose choices may call tools: text split into content and tool_calls (tools.ToolCallParser), a
     streamed call in one delta.tool_calls chunk once its block closes, finish_reason tool_calls where there were
-    calls. A token held back (it may open a call) sends its logprobs with the next chunk."""
+    calls. A token held back (it may open a call) sends its logprobs and source with the next chunk."""
 
     def __init__(self, logprobs: bool):
         super().__init__(logprobs)
         self.parsers: dict[int, ToolCallParser] = defaultdict(ToolCallParser)
-        self.held_logprobs: dict[int, list[dict]] = defaultdict(list)
+        self.held: dict[int, list[TokenOut]] = defaultdict(list)
 
     def delta(self, index: int, token: TokenOut) -> dict | None:
         content, calls = self.parsers[index].feed(token.text)
-        if self.logprobs:
-            self.held_logprobs[index].append(_chat_logprob(token.logprob))
+        self.held[index].append(token)
         return self._chunk(index, content, calls, None) if content or calls else None
 
     def closing(self, index: int, reason: str) -> dict:
@@ -172,8 +178,9 @@ class ToolChatFormat(ChatFormat):
 
     def _chunk(self, index: int, content: str, calls: list[dict], reason: str | None) -> dict:
         delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
-        logprobs = {"content": self.held_logprobs.pop(index, [])} if self.logprobs else None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        held = self.held.pop(index, [])
+        logprobs = {"content": [_chat_logprob(token.logprob) for token in held]} if self.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason} | _sources(held)
 
 
 def _tool_reason(reason: str, calls: int) -> str:
@@ -210,17 +217,23 @@ async def collect(job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int,
 
 
 async def stream(
-    job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, include_usage: bool, n: int,
+    job: Job, fmt: Format, envelope: Envelope, prompt_tokens: int, options: StreamOptions, n: int,
 ) -> AsyncIterator[str]:
-    """SSE data payloads: one chunk per token, a closing chunk per choice, usage if asked, then [DONE]."""
-    extra = {"usage": None} if include_usage else {}
+    """SSE data payloads: one chunk per token, a closing chunk per choice, usage if asked (in every chunk too, with
+    continuous_usage_stats: the figures so far), then [DONE]."""
+    latest: dict[int, Update] = {}
 
     def chunk(choice: dict) -> str:
+        extra = {}
+        if options.continuous_usage_stats:
+            extra["usage"] = usage(prompt_tokens, list(latest.values()), n)
+        elif options.include_usage:
+            extra["usage"] = None
         return _json(envelope.wrap(fmt.chunk_object, choices=[choice], **extra))
 
-    finals = []
     try:
         async for update in job.updates():
+            latest[update.index] = update
             opening = fmt.opening(update) if update.admitted else None
             if opening:
                 yield chunk(opening)
@@ -229,12 +242,11 @@ async def stream(
                 if delta is not None:  # None: held back (text that may open a tool call)
                     yield chunk(delta)
             if update.finish_reason:
-                finals.append(update)
                 yield chunk(fmt.closing(update.index, update.finish_reason))
     except APIError as error:
         # Headers are long gone: the error travels as an event, as OpenAI sends it.
         yield _json(error.body())
         return
-    if include_usage:
-        yield _json(envelope.wrap(fmt.chunk_object, choices=[], usage=usage(prompt_tokens, finals, n)))
+    if options.include_usage:
+        yield _json(envelope.wrap(fmt.chunk_object, choices=[], usage=usage(prompt_tokens, list(latest.values()), n)))
     yield "[DONE]"

@@ -1,4 +1,4 @@
-"""HTTP routes: OpenAI completions and chat, models, health, metrics.
+"""HTTP routes: OpenAI completions and chat, models, health, metrics, and the playground page.
 
 A route validates on the event loop, tokenizes in a thread of its own (a
 large prompt must not stall every other connection), submits a `Job` to the
@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
 
 from specdec_core.grammar import CompiledGrammar, GrammarError, GrammarSpec
@@ -54,11 +55,46 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if scheduler.state == "ready" else 503)
 
 
+PLAYGROUND = Path(__file__).parent / "playground"  # the page's files: no build step, nothing from the network
+PLAYGROUND_PAGES = ("/", "/playground")
+PLAYGROUND_ASSETS = {"playground.css": "text/css", "playground.js": "text/javascript", "icon.svg": "image/svg+xml"}
+PLAYGROUND_PATHS = frozenset(PLAYGROUND_PAGES) | {f"/playground/{name}" for name in PLAYGROUND_ASSETS}
+# The page runs only its own files, and talks only to this server.
+PLAYGROUND_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+@router.get("/", include_in_schema=False)
+@router.get("/playground", include_in_schema=False)
+async def playground(request: Request) -> Response:
+    """The playground: a chat that shows which tokens the drafter gave (server.playground turns it off)."""
+    return _playground_file(request, "playground.html", "text/html")
+
+
+@router.get("/playground/{name}", include_in_schema=False)
+async def playground_asset(name: str, request: Request) -> Response:
+    if name not in PLAYGROUND_ASSETS:
+        raise APIError(404, f"the playground has no file {name!r}")
+    return _playground_file(request, name, PLAYGROUND_ASSETS[name])
+
+
+def _playground_file(request: Request, name: str, media_type: str) -> Response:
+    if not request.app.state.playground:
+        raise APIError(404, "the playground is turned off on this server (server.playground)")
+    return FileResponse(PLAYGROUND / name, media_type=media_type, headers=PLAYGROUND_HEADERS)
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    """The served model; once loaded, its entry also names the drafter (an extension, for the playground)."""
     state = request.app.state
     model = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdec"}
-    return {"object": "list", "data": [model]}
+    loaded = state.scheduler.model
+    return {"object": "list", "data": [model | ({"drafter": loaded.drafter} if loaded else {})]}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -187,13 +223,15 @@ async def _run(
             params = body.sampling(i, scheduler.model.vocab_size)
             seq = Sequence(f"{envelope.id}-{index}", ids, params, max_tokens, top_logprobs=top_logprobs, client=client,
                            cache_namespace=cache_namespace(client, body.cache_salt),
-                           grammar=scheduler.model.grammars.state(grammar) if grammar is not None else None)
-            choices.append(Choice(index, seq, body.stop, echo_logprobs))
+                           grammar=scheduler.model.grammars.state(grammar) if grammar is not None else None,
+                           speculate=body.speculation)
+            sources = [] if body.return_token_sources else None
+            choices.append(Choice(index, seq, body.stop, echo_logprobs, sources=sources))
     job = MeteredJob(choices, request.app.state.limiter, client)
     scheduler.submit(job)
     prompt_tokens = sum(len(ids) for ids in prompts)
     if body.stream:
-        return _streamed(scheduler, job, stream(job, fmt, envelope, prompt_tokens, body.stream_options.include_usage, body.n))
+        return _streamed(scheduler, job, stream(job, fmt, envelope, prompt_tokens, body.stream_options, body.n))
     return await _collected(request, scheduler, job, collect(job, fmt, envelope, prompt_tokens, body.n))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -54,6 +55,7 @@ class TokenOut:
     text: str
     offset: int  # where text starts in the choice's output text
     logprob: Logprob | None = None
+    source: str | None = None  # with return_token_sources: "drafter", "grammar" (drafts kept) or "target"
 
 
 @dataclass
@@ -65,9 +67,9 @@ class Update:
     admitted: bool = False  # first update of a choice: it joined the batch
     prompt_logprobs: list[Logprob] | None = None  # with admitted, when echo with logprobs was asked
     finish_reason: str | None = None
-    completion_tokens: int = 0  # with finish_reason: tokens delivered, stop strings excluded
-    cached_tokens: int = 0  # with finish_reason: prompt tokens the prefix cache gave
-    stats: SpecStats | None = None  # with finish_reason
+    completion_tokens: int = 0  # tokens delivered so far, stop strings excluded
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave
+    stats: SpecStats = field(default_factory=SpecStats)  # the choice's speculation so far
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Choice:
     echo_logprobs: bool = False
     output: TextOutput | None = None  # made on admission, by the worker
     last_token_at: float | None = None
+    sources: list[str] | None = None  # with return_token_sources: where each output token came from (TokenOut.source)
 
 
 class Job:
@@ -122,6 +125,7 @@ class ModelInfo:
     context_length: int
     grammars: Grammars  # compiles response_format and tools (in threads of their own)
     tool_format: str  # how the model writes tool calls (server/tools.py)
+    drafter: str  # the engine's drafter ("none": it has none); /v1/models says it, for the playground
 
 
 class Scheduler:
@@ -212,6 +216,7 @@ class Scheduler:
             grammars=Grammars(tokenizer, target.vocab_size, engine.eos_token_ids, grammar.compile_timeout_s,
                               grammar.cache_entries, on_compile=self.metrics.grammar_compile.observe),
             tool_format=grammar.tool_format or (entry.tool_format if entry else "hermes"),
+            drafter=engine.method,
         )
 
     def _run(self) -> None:
@@ -306,7 +311,7 @@ class Scheduler:
         self._active[id(seq)] = (job, choice)
         choice.output = TextOutput(self.engine.target.tokenizer, seq.prompt_ids, choice.stop)
         prompt_logprobs = self._prompt_logprobs(seq, prompt_logits) if choice.echo_logprobs else None
-        job.post(Update(choice.index, admitted=True, prompt_logprobs=prompt_logprobs))
+        job.post(self._update(choice, [], admitted=True, prompt_logprobs=prompt_logprobs))
         if seq.max_tokens == 0:  # echo-only scoring: the prompt was all that was asked
             self.engine.remove([seq])
             self._deliver(job, choice, [], "length")
@@ -322,6 +327,9 @@ class Scheduler:
             if id(row.seq) not in self._active:
                 continue  # its job failed above, with another of its rows
             job, choice = self._active[id(row.seq)]
+            if choice.sources is not None:  # the step's tokens come in order: grammar's drafts, drafter's, target's
+                kept = row.grammar_accepted + row.accepted
+                choice.sources += [_source(j, row.grammar_accepted, kept) for j in range(len(row.new_tokens))]
             pieces = []
             for token in row.new_tokens:
                 pieces += choice.output.add(token)
@@ -350,12 +358,8 @@ class Scheduler:
             for gap in gaps:
                 self.metrics.itl.observe(gap)
             choice.last_token_at = now
-        update = Update(choice.index, [self._token_out(choice.seq, piece) for piece in pieces])
+        update = self._update(choice, pieces, finish_reason=reason)
         if reason is not None:
-            update.finish_reason = reason
-            update.completion_tokens = choice.output.released
-            update.cached_tokens = choice.seq.cached_tokens
-            update.stats = choice.seq.stats
             del self._active[id(choice.seq)]
             job.unfinished -= 1
         job.post(update)
@@ -363,11 +367,20 @@ class Scheduler:
             self.metrics.request_latency.observe(now - job.arrival)
             self._forget(job)
 
-    def _token_out(self, seq: Sequence, piece: Piece) -> TokenOut:
+    def _update(self, choice: Choice, pieces: list[Piece], **fields) -> Update:
+        """The choice's released pieces, with its figures so far (usage, and continuous usage stats)."""
+        seq = choice.seq
+        return Update(choice.index, [self._token_out(choice, piece) for piece in pieces],
+                      completion_tokens=choice.output.released, cached_tokens=seq.cached_tokens,
+                      stats=dataclasses.replace(seq.stats), **fields)
+
+    def _token_out(self, choice: Choice, piece: Piece) -> TokenOut:
+        seq = choice.seq
+        source = choice.sources[piece.position] if choice.sources is not None else None
         if seq.top_logprobs is None:
-            return TokenOut(piece.text, piece.offset)
+            return TokenOut(piece.text, piece.offset, source=source)
         logprob = self._logprob(piece.token_id, seq.token_logprobs[piece.position], seq.top_logprob_ids[piece.position])
-        return TokenOut(piece.text, piece.offset, logprob)
+        return TokenOut(piece.text, piece.offset, logprob, source)
 
     def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[Logprob]:
         """The target's logprobs of each prompt token given the ones before it (echo)."""
@@ -414,3 +427,8 @@ class Scheduler:
                 self._waiting.remove(job)
                 self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify_all()  # shutdown() waits for the last job
+
+
+def _source(j: int, forced: int, kept: int) -> str:
+    """Where a step's j-th new token came from, its first `forced` the grammar's kept drafts and up to `kept` drafts."""
+    return "grammar" if j < forced else "drafter" if j < kept else "target"

@@ -154,6 +154,8 @@ def _as_list(value: Any) -> Any:
 
 class StreamOptions(Schema):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (with usage.speculative), for live figures.
+    continuous_usage_stats: bool = False
 
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's, for a schema's and a function's name
@@ -200,6 +202,11 @@ class SamplingRequest(Schema):
     # vLLM's name: requests share cached prompt chunks only when their salts (and API keys) are equal.
     cache_salt: str | None = Field(None, max_length=256)
     response_format: ResponseFormat | None = None
+    # This server's extensions (README, "Request extensions"): the playground's, usable by any client.
+    speculation: bool = Field(True, description="false: decode this request plainly (gamma 0); the text is the same")
+    return_token_sources: bool = Field(
+        False, description="Each choice (and each streamed chunk) lists its tokens' sources: drafter, grammar or target",
+    )
 
     @field_validator("logit_bias")
     @classmethod

@@ -19,6 +19,7 @@ class ServerConfig(Section):
     max_model_len: int | None = Field(None, description="Context limit; defaults to the model's own")
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
     replica_name: str | None = Field(None, description="What every response's X-Specdec-Replica header says (which replica answered, behind a load balancer); null: this host's name (a pod's, a container's)")
+    playground: bool = Field(True, description="Serve the playground, a chat page that shows speculation, at / and /playground (no key needed for the page itself; its API calls need one)")
     drain_listen_s: float = Field(5.0, ge=0, description="On SIGTERM, how long the listener stays open answering 503 (on /health too) so load balancers see the drain; a second signal closes it at once")
 
 

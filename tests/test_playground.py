@@ -1,0 +1,371 @@
+"""The playground page (server/playground/) and the request extensions it is built on.
+
+The extensions (speculation: false, return_token_sources, stream_options.continuous_usage_stats) are tested on
+the tiny random model, as the other server tests are. The page is tested in a real Chromium (tests/browser.py)
+against SmolLM2-135M with the suffix drafter: a person's chat, stop, comparison, key, errors, keyboard, contrast
+and phone width. Those skip, saying why, where no Chromium is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.browser import MISSING, PHONE, chromium, idle, open_page, send, wait
+from tests.test_server import MODEL, NO_EOS, ROOT, Served, make_config, running
+
+ASK = [{"role": "user", "content": "Say something."}]
+KEY = "sk-playground-test-key"
+browser = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with running(make_config(speculation={"gamma": 2, "drafter": "suffix"})) as served:
+        yield served
+
+
+def chat(served: Served, **fields) -> dict:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "logit_bias": NO_EOS} | fields
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(served: Served, **fields) -> list[dict]:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "logit_bias": NO_EOS, "stream": True} | fields
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# -- the request extensions -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_speculation_off_decodes_plainly_with_the_same_text(served, temperature):
+    chat(served, temperature=temperature, seed=5)  # the suffix drafter remembers it: the next one drafts
+    off = chat(served, temperature=temperature, seed=5, speculation=False)
+    on = chat(served, temperature=temperature, seed=5)
+    assert off["choices"][0]["message"]["content"] == on["choices"][0]["message"]["content"]
+    assert on["usage"]["speculative"]["draft_tokens"] > 0
+    assert off["usage"]["speculative"]["draft_tokens"] == 0 and off["usage"]["speculative"]["verify_steps"] == 0
+
+
+def test_speculation_off_holds_for_its_row_only_in_a_batch(served):
+    with httpx.Client(timeout=120) as client:
+        bodies = [{"model": MODEL, "messages": ASK, "max_tokens": 40, "logit_bias": NO_EOS, "n": 2, "seed": 3,
+                   "temperature": 0.8, "speculation": speculation} for speculation in (False, True)]
+        with ThreadPoolExecutor(2) as pool:
+            off, on = pool.map(lambda body: client.post(f"{served.url}/v1/chat/completions", json=body).json(), bodies)
+    assert [c["message"]["content"] for c in off["choices"]] == [c["message"]["content"] for c in on["choices"]]
+    assert off["usage"]["speculative"]["draft_tokens"] == 0 < on["usage"]["speculative"]["draft_tokens"]
+
+
+def test_token_sources_count_what_usage_counts(served):
+    chat(served, temperature=0)  # remembered by the suffix drafter: the next one drafts
+    whole = chat(served, return_token_sources=True, temperature=0)
+    sources, usage = whole["choices"][0]["token_sources"], whole["usage"]
+    assert len(sources) == usage["completion_tokens"] == 40
+    counts = Counter(sources)
+    assert counts["drafter"] == usage["speculative"]["accepted_tokens"] > 0
+    assert counts["grammar"] == usage["speculative"]["grammar_accepted_tokens"] == 0
+    assert set(counts) <= {"drafter", "grammar", "target"}
+    # Each step ends with the target's token: a drafter's token is never the last of a step that stopped there.
+    assert sources[-1] == "target" or counts["target"] > 0
+
+
+def test_token_sources_are_opt_in(served):
+    assert "token_sources" not in chat(served)["choices"][0]
+    assert all("token_sources" not in choice for chunk in streamed(served) for choice in chunk["choices"])
+
+
+def test_streamed_sources_and_continuous_usage_agree_with_the_final_usage(served):
+    chunks = streamed(served, return_token_sources=True, temperature=0,
+                      stream_options={"include_usage": True, "continuous_usage_stats": True})
+    sources = [source for chunk in chunks for choice in chunk["choices"] for source in choice.get("token_sources", [])]
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and len(sources) == final["completion_tokens"]
+    assert Counter(sources)["drafter"] == final["speculative"]["accepted_tokens"] > 0
+    running = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert running == sorted(running) and running[-1] == final["completion_tokens"]
+
+
+def test_grammar_drafts_are_marked_as_the_grammars(served):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    whole = chat(served, response_format=fmt, return_token_sources=True, logit_bias={})
+    counts = Counter(whole["choices"][0]["token_sources"])
+    assert counts["grammar"] == whole["usage"]["speculative"]["grammar_accepted_tokens"] > 0
+
+
+def test_the_readmes_extension_example_runs(served, capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Request extensions"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    exec(compile(code[: code.index("```")], "README.md", "exec"), {"client": served.client, "model": MODEL})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == "0" and any("'target'" in line for line in printed)
+
+
+def test_the_extensions_are_declared_and_checked(served):
+    body = {"model": MODEL, "messages": ASK, "speculation": "no"}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "speculation" in response.json()["error"]["message"]
+    schema = httpx.get(f"{served.url}/openapi.json").json()["components"]["schemas"]
+    assert {"speculation", "return_token_sources"} <= set(schema["ChatRequest"]["properties"])
+
+
+# -- the page, served -------------------------------------------------------------------------------------------
+
+
+def test_the_page_and_its_files_are_served_with_a_strict_policy(served):
+    for path in ("/", "/playground"):
+        page = httpx.get(served.url + path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        for asset in re.findall(r'(?:href|src)="(/playground/[^"]+)"', page.text):
+            assert httpx.get(served.url + asset).status_code == 200
+    assert httpx.get(f"{served.url}/playground/nothing.js").status_code == 404
+    assert httpx.get(f"{served.url}/v1/models").json()["data"][0]["drafter"] == "suffix"
+
+
+def test_the_page_holds_no_secret_and_its_api_calls_need_the_key():
+    config = make_config(security={"api_keys": [KEY], "metrics": "key"})
+    with running(config) as keyed:
+        assert httpx.get(f"{keyed.url}/").status_code == 200
+        script = httpx.get(f"{keyed.url}/playground/playground.js").text
+        assert KEY not in script and KEY not in httpx.get(f"{keyed.url}/").text
+        paths = set(re.findall(r'api\("(/[^"]*)"', script))
+        assert paths == {"/v1/models", "/v1/chat/completions", "/metrics"}
+        for path in paths:  # every call the page makes is the public API's, and needs the key
+            method = httpx.post if path.endswith("completions") else httpx.get
+            assert method(keyed.url + path).status_code == 401
+        assert httpx.get(f"{keyed.url}/docs").status_code == 401  # nothing else opened up
+
+
+def test_the_playground_can_be_turned_off():
+    with running(make_config(server={"playground": False})) as plain:
+        assert httpx.get(f"{plain.url}/").status_code == 404
+        assert httpx.get(f"{plain.url}/playground/playground.js").status_code == 404
+
+
+# -- the page, in a browser -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_served(smollm2_dir) -> Iterator[Served]:
+    config = make_config("configs/smollm2.yaml", speculation={"drafter": "suffix", "gamma": 4},
+                         security={"metrics": "key", "api_keys": [KEY]})
+    with running(config) as served:
+        yield served
+
+
+@pytest.fixture
+def page(smollm2_served):
+    """The playground in a fresh Chromium, past the key dialog."""
+    with chromium() as driver:
+        driver.get(smollm2_served.url)
+        wait(driver, lambda d: d.find_element("id", "key-dialog").get_attribute("open") is not None, "the key dialog")
+        driver.find_element("id", "key").send_keys(KEY + "\n")
+        open_page(driver, smollm2_served.url)  # the key stays in session storage: the reload does not ask again
+        yield driver
+        # The page's own failures (a script error, a refused policy); the API's 4xx are the tests' to look at.
+        errors = [entry for entry in driver.get_log("browser")
+                  if entry["level"] == "SEVERE" and entry["source"] != "network"]
+        assert not errors, errors
+
+
+REPEAT = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
+
+
+def marks(driver) -> Counter:
+    spans = driver.find_elements("css selector", "#conversation li:last-child .tok")
+    return Counter(span.get_attribute("class").split()[1] for span in spans)
+
+
+@browser
+def test_a_keyed_server_asks_for_the_key_once_and_the_tab_alone_keeps_it(page, smollm2_served):
+    # The fixture answered the dialog; the reload it did since found the key and asked nothing.
+    assert page.find_element("id", "key-dialog").get_attribute("open") is None
+    stored = page.execute_script("return [sessionStorage.getItem('specdec-api-key'), localStorage.length, document.cookie]")
+    assert stored == [KEY, 0, ""]
+    with chromium() as other:  # another tab, or the next session: asked again
+        other.get(smollm2_served.url)
+        wait(other, lambda d: d.find_element("id", "key-dialog").get_attribute("open") is not None, "the key dialog")
+        other.find_element("id", "key").send_keys("sk-wrong\n")  # refused: asked again, still not connected
+        wait(other, lambda d: d.execute_script("return sessionStorage.getItem('specdec-api-key')") == "sk-wrong"
+             and d.find_element("id", "key-dialog").get_attribute("open") is not None, "the dialog to ask again")
+        assert "valid API key" in other.find_element("id", "key-reason").text
+        assert not other.find_element("id", "server-line").text.startswith("Model")
+
+
+@browser
+def test_a_chat_streams_with_marks_that_match_the_streams_counts(page):
+    send(page, REPEAT)
+    wait(page, lambda d: marks(d), "the first token")
+    assert not idle(page)  # tokens arrive while the request runs
+    wait(page, idle, "the reply to finish")
+    counts = marks(page)
+    assert sum(counts.values()) == int(page.find_element("id", "live-tokens").text)
+    assert counts["drafter"] + counts["grammar"] == int(page.find_element("id", "live-kept").text)
+    assert counts["drafter"] > 0 and counts["target"] > 0
+    assert page.find_element("id", "live-acceptance").text.endswith("%")
+    # The conversation goes on: the second turn carries the first.
+    send(page, "Once more.")
+    wait(page, lambda d: len(d.find_elements("css selector", "#conversation li")) == 4 and idle(d), "the second reply")
+    assert page.find_element("id", "error").get_attribute("hidden") is not None
+
+
+@browser
+def test_stop_cancels_the_request_on_the_server(page, smollm2_served):
+    page.find_element("id", "max-tokens").clear()
+    page.find_element("id", "max-tokens").send_keys("2000")
+    send(page, "Write a long story about a lighthouse keeper.")
+    wait(page, lambda d: sum(marks(d).values()) >= 5, "some tokens")
+    page.find_element("id", "stop").click()
+    scheduler = smollm2_served.app.state.scheduler
+    smollm2_served.wait_until(lambda: not scheduler._jobs and not scheduler.engine.seqs, "the server to free the slot")
+    assert "(stopped)" in page.find_element("css selector", "#conversation li:last-child .who").text
+    assert idle(page)
+
+
+@browser
+def test_compare_shows_the_same_text_and_the_speedup(page):
+    page.find_element("id", "prompt").send_keys(REPEAT)
+    page.find_element("id", "compare").click()
+    verdict = wait(page, lambda d: idle(d) and d.find_element("id", "comparison-verdict").text, "the comparison", 300)
+    assert verdict.startswith("The same text") and "x as fast" in verdict
+    plain, speculative = (page.find_element("id", f"{kind}-text").text for kind in ("plain", "speculative"))
+    assert plain == speculative and plain
+    assert not page.find_elements("css selector", "#plain-text .tok.drafter")  # plain decoding drafts nothing
+    assert page.find_elements("css selector", "#speculative-text .tok.drafter")
+
+
+@browser
+def test_the_decoding_setting_turns_drafts_off(page):
+    from selenium.webdriver.support.ui import Select
+
+    Select(page.find_element("id", "decoding")).select_by_value("plain")
+    send(page, REPEAT)
+    wait(page, lambda d: idle(d) and marks(d), "the reply")
+    assert set(marks(page)) == {"target"}
+
+
+@browser
+def test_errors_show_the_servers_message(page, smollm2_served, monkeypatch):
+    page.find_element("id", "max-tokens").clear()
+    page.find_element("id", "max-tokens").send_keys("100000")
+    send(page, "Hello")
+    error = page.find_element("id", "error")
+    wait(page, lambda d: error.is_displayed(), "the error")
+    assert "max_tokens" in error.text and "16384" in error.text
+    assert page.find_element("id", "prompt").get_attribute("value") == "Hello"  # kept, to send again
+    # A failure inside the server, after the stream began: its message, not a blank page.
+    engine = smollm2_served.app.state.scheduler.engine
+    real_step = engine.step
+
+    def failing_step():
+        monkeypatch.setattr(engine, "step", real_step)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    page.find_element("id", "max-tokens").clear()
+    page.find_element("id", "max-tokens").send_keys("20")
+    send(page, "Hello")
+    wait(page, lambda d: "incident" in error.text and idle(d), "the server's error")
+    assert "server's fault" in error.text
+
+
+@browser
+def test_keyboard_alone_reaches_every_control_and_sends(page):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    page.execute_script("document.activeElement.blur()")
+    reached = []
+    for _ in range(30):
+        ActionChains(page).send_keys(Keys.TAB).perform()
+        reached.append(page.execute_script("return document.activeElement.id"))
+    controls = {"prompt", "send", "compare", "clear", "decoding", "system", "temperature", "top-p", "max-tokens",
+                "seed", "stop-strings"}
+    assert controls <= set(reached)
+    while page.execute_script("return document.activeElement.id") != "prompt":
+        ActionChains(page).send_keys(Keys.TAB).perform()
+    ActionChains(page).send_keys("Hi there").send_keys(Keys.ENTER).perform()
+    wait(page, lambda d: idle(d) and marks(d), "the reply")
+    assert page.execute_script("return document.activeElement.id") == "prompt"  # ready for the next message
+
+
+CONTRAST = """
+function luminance(colour) {
+  const [r, g, b] = colour.match(/[\\d.]+/g).slice(0, 3).map(Number).map((v) => {
+    v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+  return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+}
+function background(element) {
+  for (let e = element; e; e = e.parentElement) {
+    const colour = getComputedStyle(e).backgroundColor;
+    const alpha = colour.match(/[\\d.]+/g).length === 4 ? Number(colour.match(/[\\d.]+/g)[3]) : 1;
+    if (alpha > 0) return colour;
+  }
+  return "rgb(255, 255, 255)";
+}
+const found = [];
+for (const element of document.querySelectorAll("body *")) {
+  const text = [...element.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+  const box = element.getBoundingClientRect();
+  if (!text || box.width === 0 || element.closest("[hidden]") || element.disabled) continue;
+  const style = getComputedStyle(element);
+  const [a, b] = [luminance(style.color), luminance(background(element))];
+  const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+  const size = parseFloat(style.fontSize), bold = Number(style.fontWeight) >= 700;
+  const large = size >= 24 || (bold && size >= 18.66);
+  found.push([element.tagName + "#" + element.id + "." + element.className, ratio, large ? 3 : 4.5]);
+}
+return found;
+"""
+
+
+@browser
+def test_every_text_meets_wcag_aa_contrast(page):
+    send(page, REPEAT)
+    wait(page, lambda d: idle(d) and marks(d)["drafter"], "a reply with drafts")
+    page.execute_script("document.getElementById('error').hidden = false;"
+                        "document.getElementById('error').textContent = 'an error';"
+                        "document.getElementById('comparison').hidden = false;")
+    measured = page.execute_script(CONTRAST)
+    assert len(measured) > 30 and any("drafter" in name for name, _, _ in measured)
+    failing = [(name, round(ratio, 2)) for name, ratio, least in measured if ratio < least]
+    assert not failing, failing
+
+
+@browser
+def test_the_metrics_panel_says_where_metrics_are_on_their_own_port():
+    with running(make_config(security={"metrics": "port", "metrics_port": 0})) as served, chromium() as driver:
+        open_page(driver, served.url)
+        note = driver.find_element("id", "metrics-note")
+        wait(driver, lambda d: "own port" in note.text, "the panel's note")
+        assert not driver.find_element("id", "metrics-figures").is_displayed()
+
+
+@browser
+def test_the_page_works_at_phone_width(page):
+    page.set_window_size(*PHONE)
+    assert page.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    send(page, "Hi")
+    wait(page, lambda d: idle(d) and marks(d), "the reply")
+    for control in ("prompt", "send", "compare", "decoding"):
+        element = page.find_element("id", control)
+        box = element.rect
+        assert element.is_displayed() and box["x"] >= 0 and box["x"] + box["width"] <= PHONE[0]
+    assert page.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
