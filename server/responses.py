@@ -59,9 +59,10 @@ class CompletionFormat:
 
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, logprobs: bool, echo_texts: list[str] | None):
+    def __init__(self, logprobs: bool, echo_texts: list[str] | None, sources: bool = False):
         self.logprobs = logprobs
         self.echo_texts = echo_texts  # per choice index, when echo was asked
+        self.sources = sources  # return_token_sources
 
     def opening(self, update: Update) -> dict | None:
         if self.echo_texts is None:
@@ -72,7 +73,7 @@ class CompletionFormat:
 
     def delta(self, index: int, token: TokenOut) -> dict:
         logprobs = _completion_logprobs([token.logprob], [self._base(index) + token.offset]) if self.logprobs else None
-        return self._choice(index, token.text, logprobs, None) | _sources([token])
+        return self._choice(index, token.text, logprobs, None) | _sources([token], self.sources)
 
     def closing(self, index: int, reason: str) -> dict:
         return self._choice(index, "", None, reason)
@@ -86,7 +87,7 @@ class CompletionFormat:
             logprobs = _completion_logprobs(prompt + [token.logprob for token in tokens], offsets)
         if self.echo_texts is not None:
             text = self.echo_texts[index] + text
-        return self._choice(index, text, logprobs, reason) | _sources(tokens)
+        return self._choice(index, text, logprobs, reason) | _sources(tokens, self.sources)
 
     def _base(self, index: int) -> int:
         return len(self.echo_texts[index]) if self.echo_texts is not None else 0
@@ -96,9 +97,10 @@ class CompletionFormat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _sources(tokens: list[TokenOut]) -> dict:
-    """return_token_sources' field: where each of the tokens came from (drafter, grammar, target); {} unless asked."""
-    return {"token_sources": [token.source for token in tokens]} if tokens and tokens[0].source is not None else {}
+def _sources(tokens: list[TokenOut], asked: bool) -> dict:
+    """return_token_sources' field: where each generated token came from (drafter, grammar, target; an echoed
+    prompt's tokens are not among them); {} unless asked."""
+    return {"token_sources": [token.source for token in tokens]} if asked else {}
 
 
 def _prompt_offsets(prompt: list[Logprob]) -> list[int]:
@@ -125,8 +127,9 @@ class ChatFormat:
 
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, logprobs: bool):
+    def __init__(self, logprobs: bool, sources: bool = False):
         self.logprobs = logprobs
+        self.sources = sources  # return_token_sources
 
     def opening(self, update: Update) -> dict | None:
         return {"index": update.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -134,7 +137,7 @@ class ChatFormat:
     def delta(self, index: int, token: TokenOut) -> dict:
         logprobs = {"content": [_chat_logprob(token.logprob)]} if self.logprobs else None
         delta = {"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": None}
-        return delta | _sources([token])
+        return delta | _sources([token], self.sources)
 
     def closing(self, index: int, reason: str) -> dict:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -145,7 +148,7 @@ class ChatFormat:
             "message": {"role": "assistant", "content": "".join(token.text for token in tokens)},
             "logprobs": {"content": [_chat_logprob(token.logprob) for token in tokens]} if self.logprobs else None,
             "finish_reason": reason,
-        } | _sources(tokens)
+        } | _sources(tokens, self.sources)
 
 
 class ToolChatFormat(ChatFormat):
@@ -153,8 +156,8 @@ class ToolChatFormat(ChatFormat):
     streamed call in one delta.tool_calls chunk once its block closes, finish_reason tool_calls where there were
     calls. A token held back (it may open a call) sends its logprobs and source with the next chunk."""
 
-    def __init__(self, logprobs: bool):
-        super().__init__(logprobs)
+    def __init__(self, logprobs: bool, sources: bool = False):
+        super().__init__(logprobs, sources)
         self.parsers: dict[int, ToolCallParser] = defaultdict(ToolCallParser)
         self.held: dict[int, list[TokenOut]] = defaultdict(list)
 
@@ -180,7 +183,8 @@ class ToolChatFormat(ChatFormat):
         delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
         held = self.held.pop(index, [])
         logprobs = {"content": [_chat_logprob(token.logprob) for token in held]} if self.logprobs else None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason} | _sources(held)
+        chunk = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return chunk | _sources(held, self.sources and bool(held))
 
 
 def _tool_reason(reason: str, calls: int) -> str:
@@ -225,10 +229,8 @@ async def stream(
 
     def chunk(choice: dict) -> str:
         extra = {}
-        if options.continuous_usage_stats:
-            extra["usage"] = usage(prompt_tokens, list(latest.values()), n)
-        elif options.include_usage:
-            extra["usage"] = None
+        if options.include_usage:  # continuous_usage_stats adds to it, as vLLM's does
+            extra["usage"] = usage(prompt_tokens, list(latest.values()), n) if options.continuous_usage_stats else None
         return _json(envelope.wrap(fmt.chunk_object, choices=[choice], **extra))
 
     try:

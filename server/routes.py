@@ -113,7 +113,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     for ids, _ in prompts:
         _check_length(len(ids), body.max_tokens, model.context_length, "prompt")
     echo_texts = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
-    fmt = CompletionFormat(logprobs=body.logprobs is not None, echo_texts=echo_texts)
+    fmt = CompletionFormat(logprobs=body.logprobs is not None, echo_texts=echo_texts, sources=body.return_token_sources)
     echo_logprobs = body.echo and body.logprobs is not None
     grammar = await _compiled(model, response_grammar(body), "response_format")
     return await _run(request, body, [ids for ids, _ in prompts], body.max_tokens, body.logprobs, echo_logprobs, fmt,
@@ -146,7 +146,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens or rest
     _check_length(len(ids), max_tokens, model.context_length, "messages")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = ToolChatFormat(body.logprobs) if body.calls_tools else ChatFormat(body.logprobs)
+    fmt = (ToolChatFormat if body.calls_tools else ChatFormat)(body.logprobs, body.return_token_sources)
     grammar = await _compiled(model, spec, field)
     return await _run(request, body, [list(ids)], max_tokens, top_logprobs, False, fmt, grammar)
 

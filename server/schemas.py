@@ -154,7 +154,7 @@ def _as_list(value: Any) -> Any:
 
 class StreamOptions(Schema):
     include_usage: bool = False
-    # vLLM's extension: every chunk carries the usage so far (with usage.speculative), for live figures.
+    # vLLM's extension: with include_usage, every chunk carries the usage so far (usage.speculative too).
     continuous_usage_stats: bool = False
 
 

@@ -1,16 +1,20 @@
 // The playground: a chat over the server's public API that marks each streamed token by where it came from
 // (the request extension return_token_sources), compares plain and speculative decoding of one prompt
 // (speculation: false decodes plainly), and shows the server's Prometheus figures. No library, no build step.
+// URLs are relative to the page, so that it works behind a path prefix too.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY = "specdec-api-key"; // session storage only: gone with the tab
+const CONVERSATION = "specdec-conversation"; // the chat, kept in the tab across reloads
 const METRICS_EVERY_MS = 3000;
+const METRICS_BACKOFF_MS = 30000; // after a failed read: the server may be draining or limiting this client
+const SOURCES = { drafter: "drafted and kept", grammar: "forced by the grammar", target: "the target's own" };
 
 const page = {
   model: null, // the served model's id, from /v1/models
   drafter: null, // its drafter ("none": the server decodes plainly)
-  messages: [], // the conversation, as the API takes it
+  messages: [], // the conversation: {role, content} as the API takes them, assistant ones with their pieces
   running: null, // the AbortController of the request in flight
   keyPrompt: null, // the key dialog's pending answer, so that concurrent 401s ask once
 };
@@ -31,21 +35,31 @@ function askForKey(reason) {
   if (!page.keyPrompt) {
     page.keyPrompt = new Promise((resolve, reject) => {
       const dialog = $("key-dialog");
+      const form = $("key-form");
       $("key-reason").textContent = reason;
       $("key").value = "";
-      const done = (event) => {
+      const submitted = (event) => {
         event.preventDefault();
-        sessionStorage.setItem(KEY, $("key").value.trim());
-        dialog.removeEventListener("cancel", cancelled);
-        dialog.close();
+        const key = $("key").value.trim();
+        if (!/^[\x21-\x7e]+$/.test(key)) { // a header carries printable ASCII only
+          $("key-reason").textContent = "An API key is printable ASCII without spaces; check what you pasted.";
+          return;
+        }
+        sessionStorage.setItem(KEY, key);
+        finish();
         resolve();
       };
-      const cancelled = () => {
-        $("key-form").removeEventListener("submit", done);
-        reject(new ApiError("this server needs an API key; reload the page to enter one"));
+      const closed = () => { // Escape, Cancel, or any other way out
+        finish();
+        reject(new ApiError("this server needs an API key; choose Connect to enter one"));
       };
-      $("key-form").addEventListener("submit", done, { once: true });
-      dialog.addEventListener("cancel", cancelled, { once: true });
+      const finish = () => {
+        form.removeEventListener("submit", submitted);
+        dialog.removeEventListener("close", closed);
+        if (dialog.open) dialog.close();
+      };
+      form.addEventListener("submit", submitted);
+      dialog.addEventListener("close", closed);
       dialog.showModal();
       $("key").focus();
     }).finally(() => { page.keyPrompt = null; });
@@ -69,13 +83,14 @@ async function api(path, options = {}) {
   }
 }
 
-// The SSE stream's JSON payloads, until [DONE]; an error event throws its message.
+// The SSE stream's JSON payloads, until [DONE]; an error event throws its message, and so does a stream
+// that ends without [DONE] (the connection was cut).
 async function* events(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) return;
+    if (done) throw new ApiError("the stream ended before the answer did (the connection was cut)");
     buffer += value;
     let end;
     while ((end = buffer.search(/\r?\n\r?\n/)) >= 0) {
@@ -92,6 +107,7 @@ async function* events(response) {
   }
 }
 
+// The sampling settings as the form has them now; a request reads them once, when it starts.
 function settings() {
   const number = (id) => ($(id).value === "" ? null : Number($(id).value));
   const stop = $("stop-strings").value.split("\n").filter((line) => line !== "");
@@ -105,27 +121,23 @@ function settings() {
 }
 
 // Stream one chat completion; onToken(text, sources) per chunk, onUsage(usage) with the figures so far.
-async function chat(messages, { speculation, seed, cacheSalt, signal, onToken, onUsage }) {
+async function chat(messages, sampling, { speculation, cacheSalt, signal, onToken, onUsage }) {
   const body = {
-    model: page.model, messages, stream: true, ...settings(),
+    model: page.model, messages: messages.map(({ role, content }) => ({ role, content })), stream: true, ...sampling,
     stream_options: { include_usage: true, continuous_usage_stats: true },
     return_token_sources: true, speculation,
   };
-  if (seed !== undefined) body.seed = seed;
   if (cacheSalt) body.cache_salt = cacheSalt;
-  const response = await api("/v1/chat/completions", {
+  const response = await api("v1/chat/completions", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal,
   });
-  let finish = null;
   for await (const chunk of events(response)) {
     if (chunk.usage) onUsage(chunk.usage);
     for (const choice of chunk.choices) {
       const sources = choice.token_sources || [];
       if (sources.length || choice.delta.content) onToken(choice.delta.content || "", sources);
-      finish = choice.finish_reason || finish;
     }
   }
-  return finish;
 }
 
 // -- what the page shows -----------------------------------------------------------------------------------
@@ -134,6 +146,10 @@ function showError(message) {
   const box = $("error");
   box.textContent = message;
   box.hidden = !message;
+}
+
+function announce(message) {
+  $("status").textContent = message;
 }
 
 function addMessage(role, text) {
@@ -149,7 +165,7 @@ function addMessage(role, text) {
   return body;
 }
 
-// One token's text in a span marked by its source; a chunk of several tokens (held back) takes its last's.
+// One chunk's text in a span marked by its source (a chunk of several tokens, held back, takes its last's).
 function appendToken(container, text, sources) {
   const span = document.createElement("span");
   const source = sources.length ? sources[sources.length - 1] : "target";
@@ -157,9 +173,26 @@ function appendToken(container, text, sources) {
   span.dataset.tokens = String(Math.max(sources.length, 1));
   span.textContent = text;
   container.append(span);
+  return [text, source, Math.max(sources.length, 1)];
 }
 
-// Timing of one streamed request: tokens/s over the decode (from the first token), as the server paced them.
+// "N tokens: D drafted and kept, G forced by the grammar", in words: what the marks say, for every reader.
+function summary(pieces) {
+  const counts = { drafter: 0, grammar: 0, target: 0 };
+  for (const [, source, tokens] of pieces) counts[source] += tokens;
+  const total = counts.drafter + counts.grammar + counts.target;
+  const parts = ["drafter", "grammar"].filter((source) => counts[source]).map((source) => `${counts[source]} ${SOURCES[source]}`);
+  return { counts, text: `${total} tokens${parts.length ? `: ${parts.join(", ")}` : ", all the target's own"}` };
+}
+
+function addSummary(container, pieces) {
+  const note = document.createElement("p");
+  note.className = "summary";
+  note.textContent = summary(pieces).text;
+  container.after(note);
+}
+
+// Timing of one streamed request, as the server paced it.
 class Timing {
   constructor() { this.start = performance.now(); this.first = null; this.last = null; this.tokens = 0; }
   token(count) {
@@ -168,35 +201,39 @@ class Timing {
     this.last = now;
     this.tokens += count;
   }
-  get rate() {
+  get rate() { // over the decode: from the first token to the last
     if (this.first === null || this.last === this.first) return null;
     return (this.tokens - 1) / ((this.last - this.first) / 1000);
   }
+  get seconds() { return this.last === null ? null : (this.last - this.start) / 1000; }
   get ttft() { return this.first === null ? null : (this.first - this.start) / 1000; }
 }
 
 const fixed = (value, digits) => (value === null || value === undefined ? "–" : value.toFixed(digits));
 const percent = (value) => (value === null || value === undefined ? "–" : `${(100 * value).toFixed(0)}%`);
 
-function showLive(timing, usage) {
+function showLive(timing, usage, pieces) {
   $("live-rate").textContent = fixed(timing.rate, 1);
-  if (!usage) return;
-  const speculative = usage.speculative || {};
-  $("live-tokens").textContent = String(usage.completion_tokens);
-  const kept = (speculative.accepted_tokens || 0) + (speculative.grammar_accepted_tokens || 0);
-  $("live-kept").textContent = String(kept);
-  const drafted = speculative.draft_tokens > 0;
+  const { counts } = summary(pieces);
+  $("live-tokens").textContent = String(counts.drafter + counts.grammar + counts.target);
+  $("live-kept").textContent = String(counts.drafter + counts.grammar);
+  const speculative = usage?.speculative;
+  const drafted = speculative && speculative.draft_tokens > 0;
   $("live-acceptance").textContent = drafted ? percent(speculative.acceptance_rate) : "–";
   $("live-length").textContent = drafted ? fixed(speculative.mean_accepted_length, 2) : "–";
   $("live-gamma").textContent = drafted ? fixed(speculative.mean_gamma, 2) : "–";
 }
 
+// While a request runs only Stop works; focus follows, so that a keyboard user is never left on nothing.
 function busy(running) {
-  if (!running && page.model) refreshMetrics(); // what the request just did, without waiting for the next poll
-  $("send").disabled = running;
-  $("compare").disabled = running || page.drafter === "none";
-  $("clear").disabled = running;
+  const focused = document.activeElement;
+  const connected = page.model !== null;
+  for (const id of ["send", "clear", "settings-fields"]) $(id).disabled = running || !connected;
+  $("compare").disabled = running || !connected || page.drafter === "none";
   $("stop").disabled = !running;
+  $("connect").hidden = connected;
+  if (focused && focused.disabled) $(running ? "stop" : "prompt").focus();
+  if (!running && connected) refreshMetrics(); // what the request just did, without waiting for the next poll
 }
 
 function conversation(userText) {
@@ -205,87 +242,128 @@ function conversation(userText) {
     { role: "user", content: userText }];
 }
 
+function saveConversation() {
+  sessionStorage.setItem(CONVERSATION, JSON.stringify(page.messages));
+}
+
+function restoreConversation() {
+  try {
+    page.messages = JSON.parse(sessionStorage.getItem(CONVERSATION) || "[]");
+  } catch (_) {
+    page.messages = [];
+  }
+  for (const message of page.messages) {
+    const body = addMessage(message.role, message.pieces ? "" : message.content);
+    for (const [text, source, tokens] of message.pieces || []) appendToken(body, text, Array(tokens).fill(source));
+    if (message.pieces) addSummary(body, message.pieces);
+  }
+}
+
 // -- actions -------------------------------------------------------------------------------------------------
 
 async function send() {
   const text = $("prompt").value;
-  if (!text.trim() || page.running) return;
+  if (!text.trim() || page.running || !page.model) return;
   showError("");
   const messages = conversation(text);
+  const sampling = settings();
   addMessage("user", text);
   $("prompt").value = "";
   const reply = addMessage("assistant", "");
   reply.setAttribute("aria-busy", "true");
   const timing = new Timing();
+  const pieces = [];
   let usage = null;
   page.running = new AbortController();
   busy(true);
+  announce("Answering…");
   try {
-    await chat(messages, {
+    await chat(messages, sampling, {
       speculation: $("decoding").value === "speculative",
       signal: page.running.signal,
-      onToken: (piece, sources) => { appendToken(reply, piece, sources); timing.token(Math.max(sources.length, 1)); showLive(timing, usage); },
-      onUsage: (figures) => { usage = figures; showLive(timing, usage); },
+      onToken: (piece, sources) => {
+        pieces.push(appendToken(reply, piece, sources));
+        timing.token(Math.max(sources.length, 1));
+        showLive(timing, usage, pieces);
+      },
+      onUsage: (figures) => { usage = figures; showLive(timing, usage, pieces); },
     });
-    page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply.textContent });
+    announce(`Answered: ${summary(pieces).text}.`);
   } catch (error) {
-    if (error.name === "AbortError") {
-      reply.parentElement.querySelector(".who").textContent = "assistant (stopped)";
-      page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply.textContent });
-    } else {
+    if (error.name !== "AbortError") {
       showError(error.message);
+      announce(`Failed: ${error.message}`);
       reply.parentElement.remove();
       $("conversation").lastElementChild?.remove(); // the user's message: it was not answered
       $("prompt").value = text;
+      return;
     }
+    reply.parentElement.querySelector(".who").textContent = "assistant (stopped)";
+    announce("Stopped.");
   } finally {
     reply.removeAttribute("aria-busy");
     page.running = null;
     busy(false);
-    $("prompt").focus();
   }
+  addSummary(reply, pieces);
+  page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply.textContent, pieces });
+  saveConversation();
+  $("prompt").focus();
 }
 
-// The composer's text (or the last question) decoded speculatively, then plainly, with one seed: the texts
-// must be equal, and the figures say how much faster the drafts made it. Speculative first: a drafter that
-// remembers answers (suffix) must not draft from the plain run's. Each run has a cache salt of its own, so
-// that neither reads the other's prompt from the prefix cache.
+// The composer's text (or the last question) decoded speculatively, then plainly, with one seed and the same
+// settings: the texts must be equal, and the times say how much faster the drafts made it. Speculative first:
+// a drafter that remembers answers (suffix) must not draft from the plain run's. Each run has a cache salt of
+// its own, so that neither reads the other's prompt from the prefix cache and both prefill the same.
 async function compare() {
   const text = $("prompt").value.trim() ? $("prompt").value : lastQuestion();
   if (!text || page.running) return;
   showError("");
-  const seed = settings().seed ?? Math.floor(Math.random() * 2 ** 31);
+  const sampling = settings();
+  sampling.seed = sampling.seed ?? Math.floor(Math.random() * 2 ** 31);
   const messages = conversation(text);
   if (!$("prompt").value.trim()) messages.splice(-3, 2); // the last question is the one asked again
+  for (const kind of ["speculative", "plain"]) {
+    $(`${kind}-text`).textContent = "";
+    $(`${kind}-figures`).textContent = "waiting…";
+  }
   $("comparison").hidden = false;
-  $("comparison-verdict").textContent = `Decoding with seed ${seed}…`;
+  $("comparison-verdict").textContent = `Decoding with seed ${sampling.seed}…`;
+  announce("Comparing…");
   const runs = {};
   page.running = new AbortController();
   busy(true);
   try {
     for (const kind of ["speculative", "plain"]) {
       const target = $(`${kind}-text`);
-      target.textContent = "";
       $(`${kind}-figures`).textContent = "decoding…";
       const timing = new Timing();
-      await chat(messages, {
-        speculation: kind === "speculative", seed, cacheSalt: `compare-${kind}-${Math.random()}`,
+      const pieces = [];
+      await chat(messages, sampling, {
+        speculation: kind === "speculative", cacheSalt: `compare-${kind}-${Math.random()}`,
         signal: page.running.signal,
-        onToken: (piece, sources) => { appendToken(target, piece, sources); timing.token(Math.max(sources.length, 1)); },
+        onToken: (piece, sources) => { pieces.push(appendToken(target, piece, sources)); timing.token(Math.max(sources.length, 1)); },
         onUsage: () => {},
       });
       runs[kind] = { text: target.textContent, timing };
-      $(`${kind}-figures`).textContent =
-        `${fixed(timing.rate, 1)} tokens/s over ${timing.tokens} tokens; first token after ${fixed(timing.ttft, 2)} s`;
+      $(`${kind}-figures`).textContent = `${summary(pieces).text} in ${fixed(timing.seconds, 2)} s `
+        + `(first after ${fixed(timing.ttft, 2)} s; ${fixed(timing.rate, 1)} tokens/s after it)`;
     }
     const same = runs.plain.text === runs.speculative.text;
-    const speedup = runs.plain.timing.rate && runs.speculative.timing.rate
-      ? runs.speculative.timing.rate / runs.plain.timing.rate : null;
-    $("comparison-verdict").textContent = `${same ? "The same text" : "The texts differ (please report this)"}`
-      + ` with seed ${seed}; speculative decoding ran ${fixed(speedup, 2)}x as fast.`;
+    const speedup = runs.speculative.timing.seconds ? runs.plain.timing.seconds / runs.speculative.timing.seconds : null;
+    const verdict = (same ? "The same text" : "The texts differ: expected only where the target's verify passes are"
+      + " not row-invariant (unquantized bf16 weights, see the README); anywhere else, please report it")
+      + ` with seed ${sampling.seed}; speculative decoding was ${fixed(speedup, 2)}x as fast, end to end.`;
+    $("comparison-verdict").textContent = verdict;
+    announce(verdict);
   } catch (error) {
-    $("comparison-verdict").textContent = error.name === "AbortError" ? "Stopped." : "";
-    if (error.name !== "AbortError") showError(error.message);
+    const stopped = error.name === "AbortError";
+    $("comparison-verdict").textContent = stopped ? "Stopped." : "Failed.";
+    for (const kind of ["speculative", "plain"]) {
+      if (!runs[kind]) $(`${kind}-figures`).textContent = stopped ? "stopped" : "not decoded";
+    }
+    announce(stopped ? "Stopped." : `Failed: ${error.message}`);
+    if (!stopped) showError(error.message);
   } finally {
     page.running = null;
     busy(false);
@@ -304,7 +382,7 @@ function parseMetrics(text) {
   const samples = [];
   for (const line of text.split("\n")) {
     const match = line.match(/^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)/);
-    if (!match || line.startsWith("#")) continue;
+    if (!match) continue;
     const labels = {};
     for (const [, name, value] of (match[2] || "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[name] = value;
     samples.push({ name: match[1], labels, value: Number(match[3]) });
@@ -341,52 +419,48 @@ function showMetrics(samples) {
   $("m-positions").hidden = rows.length === 0;
 }
 
-// Read /metrics now; false where they cannot be read here (then the panel says why, and polling stops).
+// Read /metrics now. Where metrics live on their own port the server says so (404), the panel passes that
+// on and polling ends; any other failure shows its reason, and the next poll comes later.
+const metrics = { elsewhere: false, failed: false };
+
 async function refreshMetrics() {
+  if (metrics.elsewhere) return;
   try {
-    const response = await api("/metrics");
+    const response = await api("metrics");
     showMetrics(parseMetrics(await response.text()));
     $("metrics-note").textContent = "From /metrics, every few seconds.";
-    return true;
+    $("metrics-figures").hidden = false;
+    metrics.failed = false;
   } catch (error) {
-    // Where metrics are served on their own port the server says so, and the panel passes that on.
+    metrics.elsewhere = /own port/.test(error.message);
+    metrics.failed = true;
     $("metrics-note").textContent = `The server's metrics are not readable here: ${error.message}.`;
     $("metrics-figures").hidden = true;
     $("m-positions").hidden = true;
-    return false;
   }
 }
 
 async function pollMetrics() {
-  if (document.visibilityState === "visible" && !page.keyPrompt && !(await refreshMetrics())) return;
-  setTimeout(pollMetrics, METRICS_EVERY_MS);
+  if (document.visibilityState === "visible" && !page.keyPrompt) await refreshMetrics();
+  if (!metrics.elsewhere) setTimeout(pollMetrics, metrics.failed ? METRICS_BACKOFF_MS : METRICS_EVERY_MS);
 }
 
 // -- start -----------------------------------------------------------------------------------------------------
 
-async function start() {
-  $("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
-  $("prompt").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
-      event.preventDefault();
-      send();
-    }
-  });
-  $("stop").addEventListener("click", () => page.running?.abort());
-  $("compare").addEventListener("click", compare);
-  $("clear").addEventListener("click", () => { page.messages = []; $("conversation").replaceChildren(); });
-  busy(true);
+async function connect() {
+  busy(false);
+  showError("");
   try {
-    const health = await fetch("/health").then((response) => response.json()).catch(() => ({}));
+    const health = await fetch("health").then((response) => response.json()).catch(() => ({}));
     if (health.status && health.status !== "ready") {
-      $("server-line").textContent = `The server is ${health.status}; reload when it is ready.`;
+      $("server-line").textContent = `The server is ${health.status}; choose Connect when it is ready.`;
       if (health.error) showError(health.error);
       return;
     }
-    const models = await (await api("/v1/models")).json();
+    const models = await (await api("v1/models")).json();
     const model = models.data[0];
-    page.model = model.id;
     page.drafter = model.drafter || "none";
+    page.model = model.id;
     $("server-line").textContent = `Model ${page.model}, drafter ${page.drafter}`;
     $("decoding").options[0].textContent = page.drafter === "none" ? "speculative (this server has no drafter)"
       : `speculative (${page.drafter})`;
@@ -396,6 +470,28 @@ async function start() {
     $("server-line").textContent = "Not connected.";
     showError(error.message);
   }
+}
+
+function start() {
+  $("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      send();
+    }
+  });
+  $("stop").addEventListener("click", () => page.running?.abort());
+  $("compare").addEventListener("click", compare);
+  $("clear").addEventListener("click", () => {
+    page.messages = [];
+    saveConversation();
+    $("conversation").replaceChildren();
+    announce("Conversation cleared.");
+  });
+  $("connect").addEventListener("click", connect);
+  $("key-cancel").addEventListener("click", () => $("key-dialog").close());
+  restoreConversation();
+  connect();
 }
 
 start();
