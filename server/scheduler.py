@@ -222,6 +222,7 @@ class Scheduler:
     def _run(self) -> None:
         try:
             engine = self._load()
+            engine.warm_up()
             self.model = self._model_info(engine)
         except Exception as exc:
             # /health tells that it failed and where to look; the cause is in the log, as for any 5xx.

@@ -158,6 +158,16 @@ class Engine:
             pass
         return admission.prompt_logits()
 
+    def warm_up(self) -> None:
+        """One prefill chunk through a row of its own, thrown away: what a process's first long pass pays once
+        (a quantized target's bf16 weights dequantized and kept, the kernels' first calls) is paid here, before
+        a server says it is ready, not by its first request (measured: 4 s of the default config's first TTFT)."""
+        tokens = min(self.chunk_tokens, self.target.config.max_position_embeddings)
+        row = self.target.new_cache()
+        row.reserve(1, tokens)
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.target.device)
+        self.target.forward(row, ids, commit=True, last_logits_only=True)
+
     def begin(self, seq: Sequence, prompt_logits: bool = False) -> Admission:
         """Start a new sequence's prefill; `advance` prefills it, a chunk a call. A request for the prompt's logits
         (echo with logprobs) prefills the whole prompt: the cache keeps keys and values, not logits."""

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from specdec_core.models.loading import load_runner
-from specdec_core.config import ModelConfig
+from specdec_core.build import build_engine
+from specdec_core.config import Config, ModelConfig
 from specdec_core.control import Controller
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
@@ -172,6 +173,20 @@ def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_fa
     assert all(torch.equal(layer(x[:5]), out) for layer, out in zip(model, short))
     quant.keep_dequantized(model, False)
     assert model[0]._dequantized is None and not model[0].keeps_dequantized
+
+
+@needs_vnni
+def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request():
+    """Engine.warm_up (the server's, before it says ready): the first long pass's dequantization is paid there."""
+    config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
+                                    "speculation": {"drafter": "ngram"}})
+    engine = build_engine(config)
+    layers = [layer for layer in engine.target.model.modules() if isinstance(layer, VnniLinear)]
+    assert layers and all(layer._dequantized is None for layer in layers)
+    engine.warm_up()
+    # All but the output layer: a prefill runs it on its last token only.
+    assert sum(layer._dequantized is not None for layer in layers) == len(layers) - 1
+    assert not engine.seqs and engine.chunks == 0  # nothing of the warm-up's stays
 
 
 def test_layers_that_cannot_be_fused_are_left_alone():

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from server.app import DrainingServer, create_app, server_config
 from server.settings import ServeConfig
 from specdec_core.build import build_engine
+from specdec_core.engine import Engine
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -128,6 +129,21 @@ def error_of(response: httpx.Response) -> dict:
 def test_health_and_models(served):
     assert httpx.get(f"{served.url}/health").json() == {"status": "ready"}
     assert [model.id for model in served.client.models.list()] == [MODEL]
+
+
+def test_the_engine_is_warmed_up_before_the_server_says_ready(monkeypatch):
+    warming, warmed = threading.Event(), threading.Event()
+
+    def warm_up(engine):
+        warming.set()
+        assert warmed.wait(60)
+
+    monkeypatch.setattr(Engine, "warm_up", warm_up)
+    with running(make_config(), wait_ready=False) as served:
+        assert warming.wait(60)
+        assert httpx.get(f"{served.url}/health").json() == {"status": "loading"}
+        warmed.set()
+        served.wait_until(lambda: httpx.get(f"{served.url}/health").status_code == 200, "the models to load")
 
 
 def test_health_is_503_while_the_models_load(monkeypatch):
