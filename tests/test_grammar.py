@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specdec_core.config import ModelConfig
 from specdec_core.control import Controller
 from specdec_core.drafters.base import Proposal
 from specdec_core.drafters.ngram import NgramDrafter
@@ -128,6 +129,36 @@ def test_negative_control_drafts_unchecked_by_the_grammar_change_the_text(target
     monkeypatch.setattr(GrammarState, "advance", lambda self, tokens: None)  # it would refuse what slipped through
     seqs = constrained(target, grammars, "greedy")
     assert run(target, NgramDrafter(), seqs) != plain["greedy"]
+
+
+EXTRACT = "Extract the person as JSON. Text: Dr. Margaret Hamilton-Smith works at Northwind Robotics in Lyon."
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "company": {"type": "string"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "company", "city"], "additionalProperties": False}
+
+
+def test_suffix_drafts_json_values_from_the_prompts_text(smollm2_dir):
+    """A value copied from the prompt starts with other token boundaries than the prompt's (no token suffix
+    matches): the suffix drafter finds it as text, and the text stays constrained plain decoding's (SmolLM2,
+    int8: row-invariant passes)."""
+    target = load_runner(str(smollm2_dir), ModelConfig(target="smollm2-135m", dtype="bf16", weights="int8"))
+    grammars = Grammars(target.tokenizer, target.vocab_size, eos_ids(target))
+    compiled = grammars.compile(GrammarSpec("json_schema", json.dumps(PERSON)), "schema")
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": EXTRACT}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+
+    def decoded(drafter) -> Sequence:
+        seq = Sequence("extract", list(prompt), SamplingParams(temperature=0), 60)
+        seq.grammar = grammars.state(compiled)
+        decode(Engine(target, drafter, Controller(fixed_gamma=4), eos_ids(target)), [seq])
+        return seq
+
+    plain = decoded(None)
+    by_tokens = decoded(SuffixDrafter(10_000))
+    by_values = decoded(SuffixDrafter(10_000, tokenizer=target.tokenizer))
+    assert by_values.output_ids == by_tokens.output_ids == plain.output_ids
+    assert "Northwind Robotics" in target.tokenizer.decode(plain.output_ids)  # a value copied from the prompt
+    assert by_values.stats.accepted_tokens > by_tokens.stats.accepted_tokens
 
 
 def test_forced_drafts_are_counted_apart_from_the_drafters(target, grammars):

@@ -18,6 +18,11 @@ client's outputs a request may draft from is the privacy question: drafts never 
 receives (verification is exact), but a faster answer can tell a client that someone's text is in the
 memory, a timing side channel. So by default each client (API key, else address) drafts only from its
 own earlier requests; `shared` pools them.
+
+Under a grammar (JSON), a value copied from the prompt is spelled with other token boundaries: `"Senior`
+after a quote where the prompt has ` Senior`, so no token suffix matches until the value's third token.
+For such rows the drafter also looks up the string value being written, as text, in the row's prompt,
+and drafts what followed it there, tokenized afresh (`_value_tree`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
 
 KEY = 2  # tokens of the index's key: a match is at least this long
 MAX_CANDIDATES = 64  # most recent occurrences of the key examined per lookup and memory
+VALUE_WINDOW = 64  # characters of the prompt after a value's occurrence, tokenized into its continuation
 
 
 @dataclass
@@ -133,8 +139,9 @@ class SuffixDrafter(Drafter):
     drafts_from_text = True  # its own memory holds committed tokens only: pending tokens join the match's context
 
     def __init__(self, max_tokens: int, shared: bool = False, factor: float = 1.0, min_probability: float = 0.1,
-                 max_match: int = 32, max_nodes: int = 16, min_match: int = KEY):
-        """min_match: a row whose longest match is shorter proposes nothing (the hybrid's min_n)."""
+                 max_match: int = 32, max_nodes: int = 16, min_match: int = KEY, tokenizer=None):
+        """min_match: a row whose longest match is shorter proposes nothing (the hybrid's min_n); tokenizer: the
+        target's, for rows under a grammar to look their string values up in their prompts (None: they do not)."""
         if max_match < KEY:
             raise ValueError(f"suffix.max_match must be at least {KEY}, got {max_match}")
         self.min_match = min_match
@@ -145,6 +152,8 @@ class SuffixDrafter(Drafter):
         self.rows: list[Sequence] = []  # the batch's sequences, in row order
         # Each sequence's own memory (one document), by id(seq): made at its first proposal, dropped with its row.
         self.own: dict[int, TokenMemory] = {}
+        self.tokenizer = tokenizer
+        self.prompt_texts: dict[int, str] = {}  # rows under a grammar: their prompts as text, by id(seq)
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
         self.rows.append(seq)
@@ -157,6 +166,7 @@ class SuffixDrafter(Drafter):
         for i, seq in enumerate(self.rows):
             if i not in kept:
                 self.own.pop(id(seq), None)
+                self.prompt_texts.pop(id(seq), None)
                 if seq.output_ids:  # gone: what it produced is memory for later requests
                     self.global_memory.add(seq.client, seq.output_ids)
         self.rows = [self.rows[i] for i in keep]
@@ -182,14 +192,35 @@ class SuffixDrafter(Drafter):
                  self.global_memory.matches(context, seq.client, self.shared, self.max_match)]
         length = max(match for match, _ in found)
         if not length or length < self.min_match:
-            return [], []
+            return self._value_tree(seq, gamma, pending) if seq.grammar is not None and self.tokenizer else ([], [])
         continuations = [document.tokens[start : start + gamma]
                          for match, occurrences in found if match == length for document, start in occurrences]
         max_nodes = min(self.max_nodes, math.ceil(self.factor * length))
         return continuation_tree([c for c in continuations if c], max_nodes, self.min_probability)
 
+    def _value_tree(self, seq: Sequence, gamma: int, pending: list[int]) -> tuple[list[int], list[int]]:
+        """A tree of what followed, in the row's prompt, each occurrence of the JSON string value being written
+        (the output's text after its last quote), tokenized as the prompt goes on; none before a value's first
+        character."""
+        written = self.tokenizer.decode(seq.output_ids + pending)
+        quote = written.rfind('"')
+        value = written[quote + 1 :]
+        if quote < 0 or not value:
+            return [], []
+        prompt = self.prompt_texts.get(id(seq))
+        if prompt is None:
+            prompt = self.prompt_texts[id(seq)] = self.tokenizer.decode(seq.prompt_ids)
+        continuations, at = [], prompt.find(value)
+        while at >= 0 and len(continuations) < MAX_CANDIDATES:
+            after = prompt[at + len(value) : at + len(value) + VALUE_WINDOW]
+            # The window's last token may be cut short: it is left out.
+            continuations.append(self.tokenizer.encode(after, add_special_tokens=False)[:-1][:gamma])
+            at = prompt.find(value, at + 1)
+        return continuation_tree([c for c in continuations if c], min(self.max_nodes, gamma), self.min_probability)
+
 
 def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> SuffixDrafter:
     """The suffix drafter of speculation.suffix."""
     s = config.speculation.suffix
-    return SuffixDrafter(s.max_tokens, s.shared, s.factor, s.min_probability, s.max_match, s.max_nodes)
+    return SuffixDrafter(s.max_tokens, s.shared, s.factor, s.min_probability, s.max_match, s.max_nodes,
+                         tokenizer=target.tokenizer)
