@@ -210,12 +210,14 @@ class SuffixDrafter(Drafter):
         prompt = self.prompt_texts.get(id(seq))
         if prompt is None:
             prompt = self.prompt_texts[id(seq)] = self.tokenizer.decode(seq.prompt_ids)
-        continuations, at = [], prompt.find(value)
+        # The latest occurrences first, as the token memories take them: they win ties (a prompt's text to
+        # extract from usually comes after its instructions and schema).
+        continuations, at = [], prompt.rfind(value)
         while at >= 0 and len(continuations) < MAX_CANDIDATES:
             after = prompt[at + len(value) : at + len(value) + VALUE_WINDOW]
             # The window's last token may be cut short: it is left out.
             continuations.append(self.tokenizer.encode(after, add_special_tokens=False)[:-1][:gamma])
-            at = prompt.find(value, at + 1)
+            at = prompt.rfind(value, 0, at + len(value) - 1)
         return continuation_tree([c for c in continuations if c], min(self.max_nodes, gamma), self.min_probability)
 
 
