@@ -131,10 +131,12 @@ def test_negative_control_drafts_unchecked_by_the_grammar_change_the_text(target
     assert run(target, NgramDrafter(), seqs) != plain["greedy"]
 
 
-EXTRACT = "Extract the person as JSON. Text: Dr. Margaret Hamilton-Smith works at Northwind Robotics in Lyon."
+EXTRACT = ("Extract the person as JSON. Text: Dr. Margaret Hamilton-Smith works at Northwind Robotics in Lyon "
+           "for 68,500 EUR a year.")
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "company": {"type": "string"},
-                                           "city": {"type": "string"}},
-          "required": ["name", "company", "city"], "additionalProperties": False}
+                                           "city": {"type": "string"},
+                                           "salary": {"type": "integer", "minimum": 0, "maximum": 999999}},
+          "required": ["name", "company", "city", "salary"], "additionalProperties": False}
 
 
 def test_suffix_drafts_json_values_from_the_prompts_text(smollm2_dir):
@@ -147,18 +149,18 @@ def test_suffix_drafts_json_values_from_the_prompts_text(smollm2_dir):
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": EXTRACT}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)
 
-    def decoded(drafter) -> Sequence:
-        seq = Sequence("extract", list(prompt), SamplingParams(temperature=0), 60)
+    def decoded(drafter) -> tuple[Sequence, int]:
+        seq = Sequence("extract", list(prompt), SamplingParams(temperature=0), 80)
         seq.grammar = grammars.state(compiled)
-        decode(Engine(target, drafter, Controller(fixed_gamma=4), eos_ids(target)), [seq])
-        return seq
+        steps = len(decode(Engine(target, drafter, Controller(fixed_gamma=4), eos_ids(target)), [seq]))
+        return seq, steps
 
-    plain = decoded(None)
-    by_tokens = decoded(SuffixDrafter(10_000))
-    by_values = decoded(SuffixDrafter(10_000, tokenizer=target.tokenizer))
+    (plain, _), (by_tokens, token_steps), (by_values, value_steps) = (
+        decoded(None), decoded(SuffixDrafter(10_000)), decoded(SuffixDrafter(10_000, tokenizer=target.tokenizer)))
     assert by_values.output_ids == by_tokens.output_ids == plain.output_ids
-    assert "Northwind Robotics" in target.tokenizer.decode(plain.output_ids)  # a value copied from the prompt
-    assert by_values.stats.accepted_tokens > by_tokens.stats.accepted_tokens
+    text = target.tokenizer.decode(plain.output_ids)
+    assert "Northwind Robotics" in text and "68500" in text, text  # values copied from the prompt
+    assert value_steps < token_steps
 
 
 def test_forced_drafts_are_counted_apart_from_the_drafters(target, grammars):

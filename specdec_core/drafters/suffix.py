@@ -28,6 +28,7 @@ and drafts what followed it there, tokenized afresh (`_value_tree`).
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 KEY = 2  # tokens of the index's key: a match is at least this long
 MAX_CANDIDATES = 64  # most recent occurrences of the key examined per lookup and memory
 VALUE_WINDOW = 64  # characters of the prompt after a value's occurrence, tokenized into its continuation
+NUMBER_TAIL = re.compile(r"[:\[,]\s*(\d+)$")  # the digits of a JSON number being written, at the output's end
+THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # English thousands separators, which JSON numbers lack
 
 
 @dataclass
@@ -153,7 +156,8 @@ class SuffixDrafter(Drafter):
         # Each sequence's own memory (one document), by id(seq): made at its first proposal, dropped with its row.
         self.own: dict[int, TokenMemory] = {}
         self.tokenizer = tokenizer
-        self.prompt_texts: dict[int, str] = {}  # rows under a grammar: their prompts as text, by id(seq)
+        # Rows under a grammar: their prompts as text, and without thousands separators, by id(seq).
+        self.prompt_texts: dict[int, tuple[str, str]] = {}
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
         self.rows.append(seq)
@@ -188,37 +192,54 @@ class SuffixDrafter(Drafter):
         text = own.documents[0].tokens
         own.extend(0, seq.tokens[len(text) :])  # catch up with what the last steps emitted
         context = seq.tokens + pending
+        looks_up = seq.grammar is not None and self.tokenizer is not None
+        written = self.tokenizer.decode(seq.output_ids + pending) if looks_up else None
+        number = NUMBER_TAIL.search(written) if written is not None else None
+        if number:  # the text's number goes on with its separators, where JSON's does not: look it up as digits
+            tree = self._value_tree(self._texts(seq)[1], number.group(1), gamma)
+            if tree[0]:
+                return tree
         found = [own.matches(context, seq.client, True, self.max_match),
                  self.global_memory.matches(context, seq.client, self.shared, self.max_match)]
         length = max(match for match, _ in found)
         if not length or length < self.min_match:
-            return self._value_tree(seq, gamma, pending) if seq.grammar is not None and self.tokenizer else ([], [])
+            if written is None or '"' not in written:
+                return [], []
+            return self._value_tree(self._texts(seq)[0], written[written.rfind('"') + 1 :], gamma)
         continuations = [document.tokens[start : start + gamma]
                          for match, occurrences in found if match == length for document, start in occurrences]
         max_nodes = min(self.max_nodes, math.ceil(self.factor * length))
         return continuation_tree([c for c in continuations if c], max_nodes, self.min_probability)
 
-    def _value_tree(self, seq: Sequence, gamma: int, pending: list[int]) -> tuple[list[int], list[int]]:
-        """A tree of what followed, in the row's prompt, each occurrence of the JSON string value being written
-        (the output's text after its last quote), tokenized as the prompt goes on; none before a value's first
-        character."""
-        written = self.tokenizer.decode(seq.output_ids + pending)
-        quote = written.rfind('"')
-        value = written[quote + 1 :]
-        if quote < 0 or not value:
+    def _texts(self, seq: Sequence) -> tuple[str, str]:
+        """A row's prompt as text, and without thousands separators."""
+        if id(seq) not in self.prompt_texts:
+            prompt = self.tokenizer.decode(seq.prompt_ids)
+            self.prompt_texts[id(seq)] = (prompt, THOUSANDS.sub("", prompt))
+        return self.prompt_texts[id(seq)]
+
+    def _value_tree(self, text: str, value: str, gamma: int) -> tuple[list[int], list[int]]:
+        """A tree of what followed, in `text` (the row's prompt), each occurrence of the JSON value being written:
+        a string's text after its opening quote, or a number's digits (in the prompt without its thousands
+        separators: the text's `68,000` is JSON's `68000`); none before a value's first character."""
+        if not value:
             return [], []
-        prompt = self.prompt_texts.get(id(seq))
-        if prompt is None:
-            prompt = self.prompt_texts[id(seq)] = self.tokenizer.decode(seq.prompt_ids)
-        # The latest occurrences first, as the token memories take them: they win ties (a prompt's text to
-        # extract from usually comes after its instructions and schema).
-        continuations, at = [], prompt.rfind(value)
+        return continuation_tree(self._continuations(text, value, gamma), min(self.max_nodes, gamma),
+                                 self.min_probability)
+
+    def _continuations(self, text: str, value: str, gamma: int) -> list[list[int]]:
+        """Up to gamma tokens of what follows each occurrence of `value` in `text`, the latest occurrences first,
+        as the token memories take them: they win ties (a prompt's text to extract from usually comes after its
+        instructions and schema)."""
+        continuations, at = [], text.rfind(value)
         while at >= 0 and len(continuations) < MAX_CANDIDATES:
-            after = prompt[at + len(value) : at + len(value) + VALUE_WINDOW]
+            after = text[at + len(value) : at + len(value) + VALUE_WINDOW]
             # The window's last token may be cut short: it is left out.
-            continuations.append(self.tokenizer.encode(after, add_special_tokens=False)[:-1][:gamma])
-            at = prompt.rfind(value, 0, at + len(value) - 1)
-        return continuation_tree([c for c in continuations if c], min(self.max_nodes, gamma), self.min_probability)
+            tokens = self.tokenizer.encode(after, add_special_tokens=False)[:-1][:gamma]
+            if tokens:
+                continuations.append(tokens)
+            at = text.rfind(value, 0, at + len(value) - 1)
+        return continuations
 
 
 def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> SuffixDrafter:
