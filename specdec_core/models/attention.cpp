@@ -4,13 +4,18 @@
 // fixed tree, the softmax and the weighted sum of values run over the row's slots in their order, and
 // a task is computed whole by one thread. So a row's output depends only on its query, its keys and
 // values in token order, and nothing else: not the pass length, the other rows, the slot layout or the
-// thread count. Inputs are float32 or bfloat16; the arithmetic is float32.
+// thread count. Inputs are float32 or bfloat16; the arithmetic is float32. The softmax's exponentials are our
+// own polynomial (exp_nonpositive), eight at a time, where the C library's took one at a time and were half
+// the kernel's time; each key and value row is converted to floats once for all its query heads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include <xmmintrin.h>  // _mm_prefetch, on every x86-64
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -24,7 +29,17 @@ constexpr int LANES = 16;
 // The loops below in AVX2 registers, where the build has AVX2: the same additions and fused multiply-adds
 // in the same order, lane by lane (GCC had vectorized the dot products' lanes but summed their tree one
 // number at a time through memory, and kept the weighted sum's outputs in memory).
-constexpr int VECTOR = 8, VALUE_REGISTERS = 8;  // floats per register; output dims kept in registers per pass over the slots
+constexpr int VECTOR = 8;  // floats per register
+constexpr int64_t kSweep = 6;  // query heads per key head whose sums stay in registers at once (12 of 16)
+
+// f(std::integral_constant<int, count>{}) for a count in 1..kSweep.
+template <int most = kSweep, typename F>
+void with_groups(int64_t count, F&& f) {
+  if constexpr (most > 1) {
+    if (count < most) return with_groups<most - 1>(count, f);
+  }
+  f(std::integral_constant<int, most>{});
+}
 
 inline __m256 load8(const float* in) { return _mm256_loadu_ps(in); }
 inline __m256 load8(const at::BFloat16* in) {
@@ -60,25 +75,97 @@ inline float dot(const float* q, const T* k, int64_t dim) {
 #endif
 }
 
-// a[t] += weights[j] * value_j[t] for j in order, value_j the row at value(j).
+// exp(x) for x <= 0 (a softmax's shifted scores), within about one ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
+// its Taylor polynomial to r^7 (the first term left out is below 4e-9 of it), times 2^n. Every operation is an
+// exactly rounded one, so this scalar form and the vector form below give the same bits, lane by lane. Below
+// -87 it gives exp(-87) (2^n must stay a normal float): beside the row's top score's 1, nothing.
+constexpr float kExpFloor = -87.f, kLog2e = 1.44269504f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpTerms[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 1.f / 2, 1.f, 1.f};
+
+inline float exp_nonpositive(float x) {
+  x = std::max(x, kExpFloor);
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = std::fma(n, -kLn2Low, std::fma(n, -kLn2High, x));
+  float p = kExpTerms[0];
+  for (int i = 1; i < 8; ++i) p = std::fma(p, r, kExpTerms[i]);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Low), _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2High), x));
+  __m256 p = _mm256_set1_ps(kExpTerms[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTerms[i]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// s[j] = exp(s[j] - top) for j < n; returns their sum, added in order.
+inline float exponentiate(float* s, int64_t n, float top) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; j + VECTOR <= n; j += VECTOR)
+    _mm256_storeu_ps(s + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
+#endif
+  for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - top);
+  float total = 0.f;
+  for (j = 0; j < n; ++j) total += s[j];
+  return total;
+}
+
+// acc[g][t] += weights[g][j] * value_j[t] for every group g < groups, j in order, value_j the row at value(j);
+// weights [groups, n], acc [groups, dim]. Each value row is converted to floats once for all the groups
+// (the key head's query heads), which share it.
 template <typename T, typename Value>
-void weighted_sum(const float* weights, int64_t n, Value value, int64_t dim, float* a) {
+void weighted_sums(const float* weights, int64_t groups, int64_t n, Value value, int64_t dim, float* acc) {
   int64_t from = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; from + VECTOR * VALUE_REGISTERS <= dim; from += VECTOR * VALUE_REGISTERS) {
-    __m256 sums[VALUE_REGISTERS];
-    for (int r = 0; r < VALUE_REGISTERS; ++r) sums[r] = _mm256_loadu_ps(a + from + VECTOR * r);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 w = _mm256_set1_ps(weights[j]);
-      const T* v = value(j) + from;
-      for (int r = 0; r < VALUE_REGISTERS; ++r) sums[r] = _mm256_fmadd_ps(w, load8(v + VECTOR * r), sums[r]);
+  // 16 outputs of up to kSweep groups at a time: 2 * kSweep sums in registers, two registers of each value row.
+  for (; from + LANES <= dim; from += LANES) {
+    for (int64_t g0 = 0; g0 < groups; g0 += kSweep) {
+      with_groups(std::min(kSweep, groups - g0), [&](auto count) {
+        constexpr int G = decltype(count)::value;
+        __m256 sums[2 * G];
+        for (int g = 0; g < G; ++g)
+          for (int r = 0; r < 2; ++r) sums[2 * g + r] = _mm256_loadu_ps(acc + (g0 + g) * dim + from + VECTOR * r);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* v = value(j) + from;
+          const __m256 low = load8(v), high = load8(v + VECTOR);
+          for (int g = 0; g < G; ++g) {
+            const __m256 w = _mm256_set1_ps(weights[(g0 + g) * n + j]);
+            sums[2 * g] = _mm256_fmadd_ps(w, low, sums[2 * g]);
+            sums[2 * g + 1] = _mm256_fmadd_ps(w, high, sums[2 * g + 1]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int r = 0; r < 2; ++r) _mm256_storeu_ps(acc + (g0 + g) * dim + from + VECTOR * r, sums[2 * g + r]);
+      });
     }
-    for (int r = 0; r < VALUE_REGISTERS; ++r) _mm256_storeu_ps(a + from + VECTOR * r, sums[r]);
   }
 #endif
-  for (int64_t j = 0; j < n; ++j) {
-    const T* v = value(j);
-    for (int64_t t = from; t < dim; ++t) a[t] += weights[j] * static_cast<float>(v[t]);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = value(j);
+      const float w = weights[g * n + j];
+      for (int64_t t = from; t < dim; ++t) acc[g * dim + t] = std::fma(w, static_cast<float>(v[t]), acc[g * dim + t]);
+    }
+  }
+}
+
+constexpr int64_t kAhead = 8;  // rows of keys and values prefetched ahead of the scores' loop
+
+// Every cache line of a row of `dim` Ts into the cache level `hint` names.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim, int hint) {
+  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    const char* line = reinterpret_cast<const char*>(row) + byte;
+    hint == _MM_HINT_T0 ? _mm_prefetch(line, _MM_HINT_T0) : _mm_prefetch(line, _MM_HINT_T1);
   }
 }
 
@@ -93,7 +180,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
   T* out_data = out.data_ptr<T>();
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
   at::parallel_for(0, batch * length * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), acc(groups * dim), scores;
+    std::vector<float> q(groups * dim), acc(groups * dim), key_row(dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, h = task % kv_heads, b = row / length, i = row % length;
       const int64_t first = offsets[row], n = offsets[row + 1] - first;
@@ -101,22 +188,26 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
         for (int64_t t = 0; t < dim; ++t)
           q[g * dim + t] = static_cast<float>(q_data[b * qs[0] + (h * groups + g) * qs[1] + i * qs[2] + t * qs[3]]) * scaling;
       scores.assign(groups * n, 0.f);
+      const auto value = [&](int64_t j) { return v_data + b * vs[0] + h * vs[1] + slots[first + j] * vs[2]; };
       for (int64_t j = 0; j < n; ++j) {
         const T* k = k_data + b * ks[0] + h * ks[1] + slots[first + j] * ks[2];
-        for (int64_t g = 0; g < groups; ++g) scores[g * n + j] = dot(&q[g * dim], k, dim);
+        if (j + kAhead < n) {  // a decode step finds its cache in memory, not in a core's caches: ask ahead
+          prefetch_row(k_data + b * ks[0] + h * ks[1] + slots[first + j + kAhead] * ks[2], dim, _MM_HINT_T0);
+          prefetch_row(value(j + kAhead), dim, _MM_HINT_T1);  // for the weighted sums, after the softmax
+        }
+        for (int64_t t = 0; t < dim; ++t) key_row[t] = static_cast<float>(k[t]);  // exact: once for every group
+        for (int64_t g = 0; g < groups; ++g) scores[g * n + j] = dot(&q[g * dim], key_row.data(), dim);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < groups; ++g) {
         float* s = &scores[g * n];
-        const float top = n ? *std::max_element(s, s + n) : 0.f;
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - top));
+        const float total = exponentiate(s, n, n ? *std::max_element(s, s + n) : 0.f);
         for (int64_t j = 0; j < n; ++j) s[j] /= total;  // the weights
-        const auto value = [&](int64_t j) { return v_data + b * vs[0] + h * vs[1] + slots[first + j] * vs[2]; };
-        float* a = &acc[g * dim];
-        weighted_sum<T>(s, n, value, dim, a);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      weighted_sums<T>(scores.data(), groups, n, value, dim, acc.data());
+      for (int64_t g = 0; g < groups; ++g) {
         T* o = out_data + ((b * length + i) * heads + h * groups + g) * dim;
-        for (int64_t t = 0; t < dim; ++t) o[t] = static_cast<T>(a[t]);
+        for (int64_t t = 0; t < dim; ++t) o[t] = static_cast<T>(acc[g * dim + t]);
       }
     }
   });
@@ -135,13 +226,14 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "a CPU kernel");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(3),
               "key and value must be [B, Hkv, S, d] for query [B, H, k, d]");
-  TORCH_CHECK(offsets[-1].item<int64_t>() == slots.numel(), "the offsets must end at the number of slots");
-  TORCH_CHECK(slots.numel() == 0 || (slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < key.size(2)),
-              "a slot outside the keys");
   key = key.stride(3) == 1 ? key : key.contiguous();
   value = value.stride(3) == 1 ? value : value.contiguous();
   slots = slots.to(torch::kLong).contiguous();
   offsets = offsets.to(torch::kLong).contiguous();
+  // Plain loops, not ATen reductions: this runs once per layer of every pass.
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  TORCH_CHECK(offsets.data_ptr<int64_t>()[offsets.numel() - 1] == slots.numel(), "the offsets must end at the number of slots");
+  TORCH_CHECK(std::all_of(slot, slot + slots.numel(), [&](int64_t s) { return s >= 0 && s < key.size(2); }), "a slot outside the keys");
   auto out = torch::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
   if (query.scalar_type() == torch::kBFloat16)
     attend_rows<at::BFloat16>(query, key, value, slots.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), scaling, out);
