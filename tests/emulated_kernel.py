@@ -23,7 +23,7 @@ from specdec_core.models.paths import cache_dir
 _build_dir = cache_dir() / "kernels" / f"vnni-emulated-torch{torch.__version__}"
 _build_dir.mkdir(parents=True, exist_ok=True)
 _kernel = load(name="specdec_vnni_emulated", sources=[str(vnni.FAMILIES["avx512"].source)], build_directory=str(_build_dir),
-               extra_cflags=["-O2", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DSPECDEC_KERNEL_EMULATION",
+               extra_cflags=["-O2", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DSPECDEC_KERNEL_EMULATION", *vnni.NO_CONTRACTION,
                              f"-I{simde_py.get_include()}", f"-I{Path(__file__).parent}"],
                extra_ldflags=["-fopenmp"])
 _real_flags, _real_family_kernel = vnni._cpu_flags, vnni.family_kernel

@@ -25,6 +25,7 @@ struct Simd {
   using I = __m256i;
   static constexpr int kLanes = 8;
   static F set1(float v) { return _mm256_set1_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }

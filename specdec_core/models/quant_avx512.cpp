@@ -62,6 +62,7 @@ struct Simd {
   using I = __m512i;
   static constexpr int kLanes = 16;
   static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F abs(F a) { return _mm512_abs_ps(a); }

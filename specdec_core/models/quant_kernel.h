@@ -235,8 +235,11 @@ torch::Tensor group_sums(const torch::Tensor& x, const torch::Tensor& packed, co
 
 }  // namespace
 
+#include "step_ops.h"
+
 // The functions every ISA's extension has.
 #define QUANT_KERNEL_MODULE(module)                                                                                   \
   module.def("dequantize_t", &dequantize_weights_t, "the weights as bf16 [K, N]");                                   \
   module.def("mm", &quantized_mm, "y = x @ dequant(int4 or int8 weights).T with int8 activations (tiles: AMX-INT8)"); \
-  module.def("group_sums", &group_sums, "the int32 sums per token, group and output row (tests)")
+  module.def("group_sums", &group_sums, "the int32 sums per token, group and output row (tests)");                  \
+  STEP_OPS_MODULE(module)

@@ -13,7 +13,8 @@ of a row-invariant runner (SDPA's; its decode and verify passes take the kernel)
 The attention is our row-invariant kernel where the runner's passes are row-invariant (attention.py),
 else SDPA; both are ops torch.compile sees through (custom ops), as are the quantized layers (vnni.py).
 On the CPU, uncompiled, each residual add with the norm after it, and the rotary embedding with the cache
-write, are one fused op each (step_ops.py), with the modules' numbers.
+write, are one fused op each, and a layer whose projections are all on our kernel runs as two calls around
+its attention (step_ops.py), with the modules' numbers.
 """
 
 from __future__ import annotations
@@ -55,50 +56,73 @@ def decoder_pass(
     [B, k] of each layer's `keys` and `values` [B, Hkv, S, d]. They attend the slots `mask` [B, 1, k, W]
     (additive, over the first W slots) allows, or, when `attended` and `offsets` are given
     (attention.RowSlots), those slots row by row on the row-invariant kernel. `projections` holds each layer's
-    fused q/k/v and gate/up layers (quant.fused_projections), or None for its own separate ones. Returns float32 logits and,
+    fused q/k/v and gate/up layers (quant.fused_projections), or None for its own separate ones. Each layer runs
+    as two halves around its attention: the extension's KernelLayers where the pass can take them
+    (step_ops.takes_kernel_layers), else ModuleLayers, with the same numbers. Returns float32 logits and,
     with `hidden_states`, transformers' hidden states (each layer's input, then the final-normed output)."""
     decoder = model.get_decoder()
     batch, k = input_ids.shape
     hidden = decoder.embed_tokens(input_ids)
-    rotary = decoder.rotary_emb(hidden, positions)
+    cos, sin = decoder.rotary_emb(hidden, positions)
     ops = step_ops.for_pass(hidden)
-    rows = torch.arange(batch, device=input_ids.device)[:, None]
+    kernel = step_ops.kernel_layers(model) if step_ops.takes_kernel_layers(hidden) else None
+    layers = kernel or [ModuleLayer(layer, qkv, gate_up, ops) for layer, (qkv, gate_up) in zip(decoder.layers, projections)]
+    tiles = kernel is not None and batch * k >= vnni.AMX_MIN_ROWS and vnni.amx()  # as vnni.mm chooses
+    scaling = decoder.layers[0].self_attn.scaling
     states = []
-    delta = None  # the last residual branch's output, added to hidden with the next norm
-    for layer, (qkv, gate_up), layer_keys, layer_values in zip(decoder.layers, projections, keys, values):
-        attention = layer.self_attn
-        hidden, x = _residual_norm(ops, hidden, delta, layer.input_layernorm)
+    delta = None  # the last layer's MLP output, added to hidden with the next norm
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        hidden, query = layer.attention_in(hidden, delta, cos, sin, layer_keys, layer_values, slots, tiles)
         states.append(hidden)
-        shape = (batch, k, -1, attention.head_dim)
-        if qkv is None:
-            query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-        else:
-            query, key, value = qkv(x).split(
-                [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features], dim=-1)
-        if ops is None:
-            query, key = apply_rotary_pos_emb(query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2), *rotary)
-            layer_keys[rows, :, slots] = key.transpose(1, 2)
-            layer_values[rows, :, slots] = value.view(shape)
-        else:
-            query = ops.rotate_and_cache(query, key, value, *rotary, layer_keys, layer_values, slots)
         if attended is None:
             window = mask.shape[-1]  # the slots SDPA reads: the mask's, a prefix of the capacity
             out = F.scaled_dot_product_attention(
-                query, layer_keys[:, :, :window], layer_values[:, :, :window], attn_mask=mask, scale=attention.scaling,
-                enable_gqa=True,
+                query, layer_keys[:, :, :window], layer_values[:, :, :window], attn_mask=mask, scale=scaling, enable_gqa=True,
             ).transpose(1, 2)
         else:
-            out = attend_rows(query, layer_keys, layer_values, attended, offsets, attention.scaling)
-        hidden, x = _residual_norm(ops, hidden, attention.o_proj(out.reshape(batch, k, -1)), layer.post_attention_layernorm)
-        mlp = layer.mlp
-        if gate_up is None:
-            delta = mlp(x)
-        else:
-            gate, up = gate_up(x).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
-            delta = mlp.down_proj(mlp.act_fn(gate) * up)
+            out = attend_rows(query, layer_keys, layer_values, attended, offsets, scaling)
+        hidden, delta = layer.mlp(hidden, out, tiles)
     _, hidden = _residual_norm(ops, hidden, delta, decoder.norm)
     logits = model.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
     return logits, (*states, hidden) if hidden_states else None
+
+
+class ModuleLayer:
+    """A decoder layer's two halves around its attention (as step_ops.h's KernelLayer has them) on the layer's
+    own modules: its fused q/k/v and gate/up projections where given, and the fused ops `ops` where given."""
+
+    def __init__(self, layer: nn.Module, qkv: nn.Module | None, gate_up: nn.Module | None, ops):
+        self.layer, self.qkv, self.gate_up, self.ops = layer, qkv, gate_up, ops
+
+    def attention_in(self, hidden: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, the rotated queries [B, heads, k, D]); k and v written to `keys` and `values` at `slots`."""
+        attention = self.layer.self_attn
+        hidden, x = _residual_norm(self.ops, hidden, delta, self.layer.input_layernorm)
+        shape = (*hidden.shape[:2], -1, attention.head_dim)
+        if self.qkv is None:
+            query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        else:
+            query, key, value = self.qkv(x).split(
+                [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features], dim=-1)
+        if self.ops is not None:
+            return hidden, self.ops.rotate_and_cache(query, key, value, cos, sin, keys, values, slots)
+        query, key = apply_rotary_pos_emb(query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2), cos, sin)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
+        keys[rows, :, slots] = key.transpose(1, 2)
+        values[rows, :, slots] = value.view(shape)
+        return hidden, query
+
+    def mlp(self, hidden: torch.Tensor, attended: torch.Tensor, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + o_proj(attended), the MLP's output) from the attention's output `attended` [B, k, heads, D]."""
+        batch, k = hidden.shape[:2]
+        o = self.layer.self_attn.o_proj(attended.reshape(batch, k, -1))
+        hidden, x = _residual_norm(self.ops, hidden, o, self.layer.post_attention_layernorm)
+        mlp = self.layer.mlp
+        if self.gate_up is None:
+            return hidden, mlp(x)
+        gate, up = self.gate_up(x).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
+        return hidden, mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def _residual_norm(ops, hidden: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,6 @@
-// The static step's glue between its linear layers, fused (static_runner.decoder_pass, step_ops.py).
+// The static step's work between and around its linear layers, fused (static_runner.decoder_pass, step_ops.py),
+// for every ISA family's kernel: quant_kernel.h includes this file, so the ops are in the family's extension
+// and a layer's halves below call its quantized product directly.
 //
 // At one token a layer's norms, rotary embedding and cache writes are about twenty ATen ops of a few
 // microseconds each, on a few thousand numbers: 28 layers of them were a tenth of the 1.5B's step
@@ -6,14 +8,23 @@
 // call, and computes exactly what transformers' modules compute, bit for bit: every product and sum
 // is rounded to the activation dtype where torch's would be, and the one reduction (the norm's mean)
 // is ATen's own, whose order of additions the modules' numbers depend on. So the static step stays the
-// eager step's numbers, and a row's result stays independent of the pass.
+// eager step's numbers, and a row's result stays independent of the pass. The families are compiled with
+// -ffp-contract=off, so that no product and sum here is fused into one rounding that torch does in two.
+//
+// `KernelLayer` goes further: a decoder layer on our kernel in two calls, around its attention (which stays
+// the caller's: the row-invariant kernel or SDPA). Each half is the modules' ops in their order, on the same
+// kernels (the quantized product, ATen's bias add, SiLU and product), so its numbers are the modules' too;
+// what it saves is Python: a one-token step crossed it about fifteen times per layer.
+#pragma once
 #include <torch/extension.h>
+#include <ATen/record_function.h>
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -29,20 +40,42 @@ T sum(T a, T b) { return static_cast<T>(wide(a) + wide(b)); }
 // Rows per thread's share: a decode pass's few rows stay on the calling thread, a prefill's spread.
 int64_t grain(int64_t numbers_per_row) { return std::max<int64_t>(1, 32768 / numbers_per_row); }
 
+// x rounded to T and back to float, in registers' worth: through T's own store, as torch rounds each op's output.
+template <typename T>
+typename Simd::F rounded(typename Simd::F x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T lanes[Simd::kLanes];
+    Simd::store(lanes, x);
+    return Simd::load(lanes);
+  }
+}
+
 template <typename T>
 void add_rms_norm_impl(const torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
                        torch::Tensor& out_hidden, torch::Tensor& normed) {
-  const int64_t size = weight.numel(), rows = hidden.numel() / size;
+  const int64_t size = weight.numel(), rows = hidden.numel() / size, vectors = size / Simd::kLanes * Simd::kLanes;
   const T* h = hidden.data_ptr<T>();
   const T* d = delta.defined() ? delta.data_ptr<T>() : nullptr;
   const T* w = weight.data_ptr<T>();
   T* x = out_hidden.data_ptr<T>();
   torch::Tensor squares = torch::empty(hidden.sizes(), hidden.options().dtype(torch::kFloat));
   float* sq = squares.data_ptr<float>();
+  // Each row in registers (the kernel family's Simd: the same float ops and roundings), then the scalar tail.
   at::parallel_for(0, rows, grain(size), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * size; i < end * size; ++i) {
-      if (d) x[i] = sum(h[i], d[i]);  // the residual add, hidden + delta
-      sq[i] = wide(x[i]) * wide(x[i]);  // pow(2) of the float32 copy
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t at = row * size;
+      for (int64_t i = at; i < at + vectors; i += Simd::kLanes) {
+        typename Simd::F value = Simd::load(h + i);
+        if (d) value = rounded<T>(Simd::add(value, Simd::load(d + i)));  // the residual add, hidden + delta
+        Simd::store(x + i, value);
+        Simd::store(sq + i, Simd::mul(value, value));  // pow(2) of the float32 copy
+      }
+      for (int64_t i = at + vectors; i < at + size; ++i) {
+        if (d) x[i] = sum(h[i], d[i]);
+        sq[i] = wide(x[i]) * wide(x[i]);
+      }
     }
   });
   const torch::Tensor variance = squares.mean(-1, true);  // ATen's reduction, as the module's
@@ -51,7 +84,12 @@ void add_rms_norm_impl(const torch::Tensor& hidden, const torch::Tensor& delta, 
   at::parallel_for(0, rows, grain(size), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float inverse = 1.f / std::sqrt(var[row] + static_cast<float>(eps));  // torch.rsqrt
-      for (int64_t i = 0; i < size; ++i) out[row * size + i] = product(w[i], static_cast<T>(wide(x[row * size + i]) * inverse));
+      const int64_t at = row * size;
+      for (int64_t i = 0; i < vectors; i += Simd::kLanes) {
+        const typename Simd::F scaled = rounded<T>(Simd::mul(Simd::load(x + at + i), Simd::set1(inverse)));
+        Simd::store(out + at + i, Simd::mul(Simd::load(w + i), scaled));
+      }
+      for (int64_t i = vectors; i < size; ++i) out[at + i] = product(w[i], static_cast<T>(wide(x[at + i]) * inverse));
     }
   });
 }
@@ -102,12 +140,11 @@ void with_dtype(const torch::Tensor& like, F&& f) {
   }
 }
 
-}  // namespace
-
 // (hidden + delta, RMSNorm(hidden + delta) * weight), or with no delta (hidden, RMSNorm(hidden) * weight):
 // a decoder layer's residual add and the norm after it (LlamaRMSNorm / Qwen2RMSNorm), all of hidden's dtype.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& hidden, const c10::optional<torch::Tensor>& delta,
                                                       const torch::Tensor& weight, double eps) {
+  RECORD_FUNCTION("add_rms_norm", std::vector<c10::IValue>());  // a part of step_profile's table, as each op below
   TORCH_CHECK(hidden.is_contiguous() && weight.is_contiguous() && hidden.size(-1) == weight.numel(), "hidden [..., H] and weight [H], contiguous");
   TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight and hidden must share a dtype");
   const torch::Tensor d = delta.has_value() ? delta->contiguous() : torch::Tensor();
@@ -123,6 +160,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& hidde
 // [B, k, heads, D] in memory as the modules' transposed view of it is.
 torch::Tensor rotate_and_cache(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
                                const torch::Tensor& sin, torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots) {
+  RECORD_FUNCTION("rotate_and_cache", std::vector<c10::IValue>());
   const int64_t dim = cos.size(-1);
   for (const torch::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->size(2) % dim == 0 && t->scalar_type() == q.scalar_type(),
@@ -139,7 +177,79 @@ torch::Tensor rotate_and_cache(const torch::Tensor& q, const torch::Tensor& k, c
   return query.transpose(1, 2);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("add_rms_norm", &add_rms_norm, "a residual add and the RMSNorm after it, as transformers computes them");
-  module.def("rotate_and_cache", &rotate_and_cache, "rotary embedding of q and k, and k and v written to the cache at their slots");
+
+// y = x @ W.T (+ bias) on the quantized product, as VnniLinear computes it: x [..., K] -> [..., N] in x's dtype,
+// the bias added by ATen in that dtype afterwards (a second rounding, as the module's `out + bias` does).
+struct QuantizedProjection {
+  const char* name;  // the module's, as step_profile labels it
+  torch::Tensor packed, scale_min;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x, bool tiles) const {
+    RECORD_FUNCTION(name, std::vector<c10::IValue>());
+    const int64_t in = packed.size(1) * kGroup, out = packed.size(0) * kRows;
+    torch::Tensor y = quantized_mm(x.reshape({-1, in}).contiguous(), packed, scale_min, tiles);
+    if (bias.has_value()) y = y + *bias;
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out;
+    return y.view(shape);
+  }
+};
+
+// A Llama-family decoder layer (pre-norm attention, then a gated SiLU MLP) whose seven projections are on our
+// kernel, q/k/v and gate/up each fused into one product (quant.fuse), in the two halves around its attention.
+struct KernelLayer {
+  torch::Tensor input_norm;
+  QuantizedProjection qkv;
+  std::vector<int64_t> qkv_sizes;  // q's, k's and v's outputs
+  QuantizedProjection o;
+  torch::Tensor post_norm;
+  QuantizedProjection gate_up, down;
+  double eps;
+
+  // hidden [B, k, H] plus the last layer's MLP output `delta` (none before the first layer), normed, projected
+  // to q, k and v, rotated by cos and sin [B, k, D], k and v written to keys and values [B, Hkv, S, D] at
+  // slots [B, k]. Returns (hidden + delta, the rotated queries [B, heads, k, D]) for the attention.
+  std::tuple<torch::Tensor, torch::Tensor> attention_in(const torch::Tensor& hidden, const c10::optional<torch::Tensor>& delta,
+                                                        const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor keys,
+                                                        torch::Tensor values, const torch::Tensor& slots, bool tiles) const {
+    auto [summed, x] = add_rms_norm(hidden, delta, input_norm, eps);
+    const std::vector<torch::Tensor> parts = qkv(x, tiles).split_with_sizes(qkv_sizes, -1);
+    return {summed, rotate_and_cache(parts[0], parts[1], parts[2], cos, sin, keys, values, slots)};
+  }
+
+  // The attention's output `attended` [B, k, heads, D] (any strides) through o_proj, added to hidden and normed,
+  // then the MLP: down(silu(gate) * up). Returns (hidden + o_proj's output, the MLP's output).
+  std::tuple<torch::Tensor, torch::Tensor> mlp(const torch::Tensor& hidden, const torch::Tensor& attended, bool tiles) const {
+    auto [summed, x] = add_rms_norm(hidden, o(attended.reshape(hidden.sizes()), tiles), post_norm, eps);
+    const std::vector<torch::Tensor> halves = gate_up(x, tiles).chunk(2, -1);
+    torch::Tensor activated;
+    {
+      RECORD_FUNCTION("act_fn", std::vector<c10::IValue>());
+      activated = at::silu(halves[0]) * halves[1];
+    }
+    return {summed, down(activated, tiles)};
+  }
+};
+
+KernelLayer kernel_layer(torch::Tensor input_norm, torch::Tensor qkv_packed, torch::Tensor qkv_scale_min,
+                         c10::optional<torch::Tensor> qkv_bias, std::vector<int64_t> qkv_sizes, torch::Tensor o_packed,
+                         torch::Tensor o_scale_min, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
+                         torch::Tensor gate_up_packed, torch::Tensor gate_up_scale_min, c10::optional<torch::Tensor> gate_up_bias,
+                         torch::Tensor down_packed, torch::Tensor down_scale_min, c10::optional<torch::Tensor> down_bias, double eps) {
+  TORCH_CHECK(gate_up_packed.size(0) % 2 == 0 && gate_up_packed.size(0) / 2 * kRows == down_packed.size(1) * kGroup,
+              "gate_up must be gate's and up's outputs side by side, each down's inputs");
+  return {input_norm, {"qkv_proj", qkv_packed, qkv_scale_min, qkv_bias}, qkv_sizes, {"o_proj", o_packed, o_scale_min, o_bias},
+          post_norm, {"gate_up_proj", gate_up_packed, gate_up_scale_min, gate_up_bias},
+          {"down_proj", down_packed, down_scale_min, down_bias}, eps};
 }
+
+}  // namespace
+
+#define STEP_OPS_MODULE(module)                                                                                        \
+  module.def("add_rms_norm", &add_rms_norm, "a residual add and the RMSNorm after it, as transformers computes them");  \
+  module.def("rotate_and_cache", &rotate_and_cache, "rotary embedding of q and k, and k and v written to the cache");   \
+  pybind11::class_<KernelLayer>(module, "KernelLayer")                                                                \
+      .def("attention_in", &KernelLayer::attention_in, "norm, q/k/v, rotary and the cache write: (hidden, queries)")   \
+      .def("mlp", &KernelLayer::mlp, "o_proj, the residual add and norm, the MLP: (hidden, the MLP's output)");       \
+  module.def("kernel_layer", &kernel_layer, "a decoder layer's weights for KernelLayer's two halves")

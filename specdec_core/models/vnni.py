@@ -47,12 +47,15 @@ class KernelFamily:
 
 
 _HERE = Path(__file__).parent
+# GCC fuses a * b + c into one rounding where -mfma allows; the step's ops (step_ops.h) round as torch does.
+NO_CONTRACTION = ("-ffp-contract=off",)
 # Widest first: where SPECDEC_ISA is unset, the first the CPU runs.
 FAMILIES = {
     "avx512": KernelFamily("specdec_avx512", "AVX-512 VNNI", _HERE / "quant_avx512.cpp",
                            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
-                           ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")),
-    "avx2": KernelFamily("specdec_avx2", "AVX2", _HERE / "quant_avx2.cpp", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+                           ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", *NO_CONTRACTION)),
+    "avx2": KernelFamily("specdec_avx2", "AVX2", _HERE / "quant_avx2.cpp", ("avx2", "fma", "f16c"),
+                         ("-mavx2", "-mfma", "-mf16c", *NO_CONTRACTION)),
 }
 AMX_FLAGS = ("amx_tile", "amx_int8")
 # SPECDEC_ISA forces the path of the integer passes: "avx2" or "avx512" (every pass on that family's dot
