@@ -3,7 +3,9 @@ torch.profiler, split by what runs (each kind of linear layer, the attention ker
 writes, the output layer, every other aten op) and what no op accounts for (Python between the ops).
 
 The profiler adds its own cost to every op; the table gives each part's share of the profiled pass beside
-the pass's unprofiled time, measured in the same run, so the parts can be read as milliseconds of it.
+the pass's unprofiled time, measured in the same run, so the parts can be read as milliseconds of it. Since
+that cost falls most on small ops, the pass is also timed against its linear layers alone, unprofiled: the
+same products on the same weights, back to back, interleaved with the passes (the floor a pass approaches).
 
     python -m specdec_tools.step_profile --config configs/default.yaml --lengths 1,8,32 --context 256 \\
         --out docs/benchmarks/qwen2.5-coder-1.5b-int4-step-profile/profile.json
@@ -18,12 +20,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from specdec_core.config import Config
-from specdec_core.models import static_runner, step_ops
+from specdec_core.models import static_runner, step_ops, vnni
 from specdec_core.models.loading import load_runner
-from specdec_core.models.quant import fused_projections
+from specdec_core.models.quant import VnniLinear, fused_projections
 from specdec_core.models.runner import ModelRunner
 
 from . import measurement
@@ -105,6 +108,19 @@ def parts_of(events) -> dict[str, float]:
     return dict(parts)
 
 
+def linear_layers(runner: ModelRunner) -> list[nn.Module]:
+    """The linear layers a static pass multiplies by, in its order: each decoder layer's q/k/v (fused where
+    quant.fused_projections fuses them), o_proj, gate/up (likewise) and down_proj, then the output layer."""
+    layers = []
+    for layer, (qkv, gate_up) in zip(runner.model.get_decoder().layers, fused_projections(runner.model)):
+        attention, mlp = layer.self_attn, layer.mlp
+        layers += [qkv] if qkv else [attention.q_proj, attention.k_proj, attention.v_proj]
+        layers.append(attention.o_proj)
+        layers += [gate_up] if gate_up else [mlp.gate_proj, mlp.up_proj]
+        layers.append(mlp.down_proj)
+    return [*layers, runner.model.get_output_embeddings()]
+
+
 def profile_lengths(runner: ModelRunner, lengths: list[int], context: int, reps: int) -> dict:
     """Per pass length: the unprofiled ms per pass (median of `reps`), the profiled one, and each part's ms
     of the profiled pass (mean over `reps`)."""
@@ -118,15 +134,25 @@ def profile_lengths(runner: ModelRunner, lengths: list[int], context: int, reps:
         runner.forward(cache, ids, row_invariant=runner.row_invariant)
         cache.commit(keep_first[k])  # the context grows by one token per pass, as plain decoding's does
 
+    layers = linear_layers(runner)
     results = {}
     for k in lengths:
+        inputs = [torch.randn(k, layer.in_features, generator=generator).to(runner.dtype) for layer in layers]
+
+        def linears_alone() -> None:
+            for layer, x in zip(layers, inputs):
+                vnni.mm(x, layer.packed, layer.scale_min) if isinstance(layer, VnniLinear) else layer(x)
+
         for _ in range(3):
             one_pass(k)  # warm: allocator, caches
-        plain = []
-        for _ in range(reps):
+        plain, alone = [], []
+        for _ in range(reps):  # the pass and its linear layers alone, interleaved
             start = time.perf_counter()
             one_pass(k)
             plain.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            linears_alone()
+            alone.append(time.perf_counter() - start)
         with labelled(runner), profile(activities=[ProfilerActivity.CPU]) as profiler:
             for _ in range(reps):
                 with record_function(PASS):
@@ -134,8 +160,8 @@ def profile_lengths(runner: ModelRunner, lengths: list[int], context: int, reps:
         events = profiler.events()
         profiled = [e.cpu_time_total / 1e3 for e in events if e.name == PASS]
         parts = {name: ms / reps for name, ms in sorted(parts_of(events).items(), key=lambda item: -item[1])}
-        results[k] = {"pass_ms": 1e3 * statistics.median(plain), "profiled_pass_ms": statistics.mean(profiled),
-                      "parts_ms": parts}
+        results[k] = {"pass_ms": 1e3 * statistics.median(plain), "linear_layers_alone_ms": 1e3 * statistics.median(alone),
+                      "profiled_pass_ms": statistics.mean(profiled), "parts_ms": parts}
     return results
 
 
@@ -147,8 +173,11 @@ def table(results: dict) -> str:
     header = "| part | " + " | ".join(f"k={k}: ms (share)" for k in lengths) + " |"
     lines = [header, "|---|" + "---|" * len(lengths)]
     lines.append("| whole pass, unprofiled | " + " | ".join(f"{results[k]['pass_ms']:.2f}" for k in lengths) + " |")
+    lines.append("| its linear layers alone, unprofiled (the pass over them) | " + " | ".join(
+        f"{results[k]['linear_layers_alone_ms']:.2f} ({results[k]['pass_ms'] / results[k]['linear_layers_alone_ms']:.2f}x)"
+        for k in lengths) + " |")
     linear = {k: sum(results[k]["parts_ms"].get(name, 0.0) for name in LINEAR_PARTS) / results[k]["profiled_pass_ms"] for k in lengths}
-    lines.append("| its linear layers, summed (the pass over them) | " + " | ".join(
+    lines.append("| its linear layers in the profiled pass, summed (the pass over them) | " + " | ".join(
         f"{linear[k] * results[k]['pass_ms']:.2f} ({1 / linear[k]:.2f}x)" if linear[k] else "-" for k in lengths) + " |")
     for name in names:
         cells = []

@@ -16,6 +16,7 @@ from specdec_core.control import Controller
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine
+from specdec_core.models import step_ops
 from specdec_core.models.catalogue import REGISTRY
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.paths import gguf_path
@@ -205,20 +206,30 @@ def test_negative_control_sdpa_over_the_whole_capacity_changes_the_text(smollm2_
     assert greedy_texts(StaticRunner.of(smollm2_int4, compiled=False, pad=True)) != greedy_texts(smollm2_int4)
 
 
-@pytest.mark.parametrize("step,parts", [("eager", {"input_layernorm"}), ("static", {"add_rms_norm", "rotate_and_cache"})])
-def test_the_step_profile_accounts_for_every_part_of_the_pass(step, parts, tmp_path):
-    """step_profile splits a pass into its layers' parts (the static step's fused ops among them) and the time no op
-    covers, the parts add up to the profiled pass, and the table sums the linear layers."""
+@pytest.mark.parametrize("step,weights,parts", [
+    ("eager", "null", {"q_proj", "down_proj", "input_layernorm"}),
+    ("static", "null", {"q_proj", "down_proj", "add_rms_norm", "rotate_and_cache"}),
+    ("static", "int4", {"qkv_proj", "gate_up_proj", "down_proj", "add_rms_norm", "rotate_and_cache", "act_fn"}),  # KernelLayers
+])
+def test_the_step_profile_accounts_for_every_part_of_the_pass(step, weights, parts, tmp_path):
+    """step_profile splits a pass into its layers' parts (the static step's fused ops among them, and the parts
+    of KernelLayers, labelled in C++) and the time no op covers, the parts add up to the profiled pass, and the
+    table sums the linear layers and times them alone."""
     from specdec_tools import step_profile
 
+    if weights == "int4" and step_ops.extension() is None:
+        pytest.skip("no kernel family here")
     config = tmp_path / "tiny.yaml"
-    config.write_text((ROOT / "configs/tiny-random.yaml").read_text().replace("  device: auto", f"  device: auto\n  step: {step}"))
+    config.write_text((ROOT / "configs/tiny-random.yaml").read_text().replace(
+        "  device: auto", f"  device: auto\n  step: {step}\n  weights: {weights}"))
     out = tmp_path / "profile.json"
     step_profile.main(["--config", str(config), "--lengths", "1,4", "--context", "16", "--reps", "2", "--out", str(out)])
     result = json.loads(out.read_text())
     for k in ("1", "4"):
         passes = result["passes"][k]
-        assert {"q_proj", "down_proj", step_profile.UNTRACED} | parts <= set(passes["parts_ms"])
+        assert {step_profile.UNTRACED} | parts <= set(passes["parts_ms"])
         assert sum(passes["parts_ms"].values()) == pytest.approx(passes["profiled_pass_ms"], rel=1e-6)
+        assert passes["linear_layers_alone_ms"] > 0
     table = out.with_suffix(".md").read_text()
-    assert table.startswith("| part |") and "| its linear layers, summed" in table
+    assert table.startswith("| part |") and "| its linear layers in the profiled pass, summed" in table
+    assert "| its linear layers alone, unprofiled" in table
