@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec_core.config import ModelConfig
-from specdec_core.models import attention
+from specdec_core.models import attention, vnni
 from specdec_core.models.attention import RowSlots, row_slots
 from specdec_core.models.loading import load_runner
 from specdec_core.models.runner import BatchCache
@@ -118,3 +118,20 @@ def test_a_verify_pass_equals_one_token_steps(int4_target, row_invariant):
     ids = torch.stack([torch.randint(0, runner.vocab_size, (12,), generator=generator), torch.tensor(tokens)])
     in_pass = runner.forward(batch, ids, commit=True, row_invariant=row_invariant)[0][1]
     assert torch.equal(in_pass, alone) == row_invariant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_familys_build_computes_the_same_bits(dtype):
+    """The avx512 family's build (AVX-512 registers) and the avx2 family's (AVX2 ones) give each row the same bits,
+    at the 1.5B's head size and with a tail past the last 16 lanes, so forcing SPECDEC_ISA changes no text."""
+    builds = [attention.family_extension(family) for family in ("avx2", "avx512") if vnni.runs_here(family)]
+    if len(builds) < 2 or None in builds:
+        pytest.skip("this CPU runs one kernel family only")
+    for dim, length in ((128, 1), (128, 9), (DIM, 7)):
+        generator = torch.Generator().manual_seed(dim + length)
+        query = torch.randn(2, HEADS, length, dim, generator=generator).to(dtype)
+        key, value = (torch.randn(2, KV_HEADS, 70 + length, dim, generator=generator).to(dtype) for _ in range(2))
+        allowed = torch.rand(2, length, 70 + length, generator=generator) > 0.2
+        slots = row_slots(allowed)
+        avx2, avx512 = (build.attend(query, key, value, slots.slots, slots.offsets, dim**-0.5) for build in builds)
+        assert torch.equal(avx2, avx512), (dim, length)

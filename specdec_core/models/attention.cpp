@@ -26,11 +26,11 @@ namespace {
 constexpr int LANES = 16;
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The loops below in AVX2 registers, where the build has AVX2: the same additions and fused multiply-adds
-// in the same order, lane by lane (GCC had vectorized the dot products' lanes but summed their tree one
-// number at a time through memory, and kept the weighted sum's outputs in memory).
-constexpr int VECTOR = 8;  // floats per register
-constexpr int64_t kSweep = 6;  // query heads per key head whose sums stay in registers at once (12 of 16)
+// The loops below in vector registers, where the build has AVX2 (or AVX-512): the same additions and fused
+// multiply-adds in the same order, lane by lane (GCC had vectorized the dot products' lanes but summed their
+// tree one number at a time through memory, and kept the weighted sum's outputs in memory).
+constexpr int VECTOR = 8;  // floats per AVX2 register
+constexpr int64_t kSweep = 6;  // query heads per key head whose sums stay in registers at once
 
 // f(std::integral_constant<int, count>{}) for a count in 1..kSweep.
 template <int most = kSweep, typename F>
@@ -46,20 +46,49 @@ inline __m256 load8(const at::BFloat16* in) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bf16 is float32's high half
 }
+
+// Sixteen float lanes: one AVX-512 register where the build has AVX-512 (the attention kernel of the avx512
+// family), else two AVX2 ones, lanes 0-7 and 8-15. Each lane's arithmetic is the same either way, so both
+// builds compute the same bits (tests/test_attention.py) with half the instructions on AVX-512.
+#if defined(__AVX512F__)
+struct Sixteen {
+  __m512 v;
+  static Sixteen zero() { return {_mm512_setzero_ps()}; }
+  static Sixteen broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static Sixteen load(const float* in) { return {_mm512_loadu_ps(in)}; }
+  static Sixteen load(const at::BFloat16* in) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  void store(float* out) const { _mm512_storeu_ps(out, v); }
+  Sixteen fmadd(Sixteen a, Sixteen b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }  // this + a * b
+  __m256 folded() const {  // lane l + lane l + 8
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#else
+struct Sixteen {
+  __m256 low, high;
+  static Sixteen zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Sixteen broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  template <typename T>
+  static Sixteen load(const T* in) { return {load8(in), load8(in + VECTOR)}; }
+  void store(float* out) const { _mm256_storeu_ps(out, low), _mm256_storeu_ps(out + VECTOR, high); }
+  Sixteen fmadd(Sixteen a, Sixteen b) const { return {_mm256_fmadd_ps(a.low, b.low, low), _mm256_fmadd_ps(a.high, b.high, high)}; }
+  __m256 folded() const { return _mm256_add_ps(low, high); }
+};
+#endif
 #endif
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();  // lanes 0-7 and 8-15
-  for (; j + LANES <= dim; j += LANES) {
-    low = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), low);
-    high = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + VECTOR), load8(k + j + VECTOR), high);
-  }
+  Sixteen lanes = Sixteen::zero();
+  for (; j + LANES <= dim; j += LANES) lanes = lanes.fmadd(Sixteen::load(q + j), Sixteen::load(k + j));
   float tail = 0.f;
   for (; j < dim; ++j) tail += q[j] * static_cast<float>(k[j]);
-  const __m256 eight = _mm256_add_ps(low, high);  // the tree: lane l += lane l + 8, + 4, + 2, + 1
+  const __m256 eight = lanes.folded();  // the tree: lane l += lane l + 8, + 4, + 2, + 1
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))) + tail;
@@ -126,25 +155,18 @@ template <typename T, typename Value>
 void weighted_sums(const float* weights, int64_t groups, int64_t n, Value value, int64_t dim, float* acc) {
   int64_t from = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  // 16 outputs of up to kSweep groups at a time: 2 * kSweep sums in registers, two registers of each value row.
+  // 16 outputs of up to kSweep groups at a time, their sums in registers; each value row loaded once for them.
   for (; from + LANES <= dim; from += LANES) {
     for (int64_t g0 = 0; g0 < groups; g0 += kSweep) {
       with_groups(std::min(kSweep, groups - g0), [&](auto count) {
         constexpr int G = decltype(count)::value;
-        __m256 sums[2 * G];
-        for (int g = 0; g < G; ++g)
-          for (int r = 0; r < 2; ++r) sums[2 * g + r] = _mm256_loadu_ps(acc + (g0 + g) * dim + from + VECTOR * r);
+        Sixteen sums[G];
+        for (int g = 0; g < G; ++g) sums[g] = Sixteen::load(acc + (g0 + g) * dim + from);
         for (int64_t j = 0; j < n; ++j) {
-          const T* v = value(j) + from;
-          const __m256 low = load8(v), high = load8(v + VECTOR);
-          for (int g = 0; g < G; ++g) {
-            const __m256 w = _mm256_set1_ps(weights[(g0 + g) * n + j]);
-            sums[2 * g] = _mm256_fmadd_ps(w, low, sums[2 * g]);
-            sums[2 * g + 1] = _mm256_fmadd_ps(w, high, sums[2 * g + 1]);
-          }
+          const Sixteen v = Sixteen::load(value(j) + from);
+          for (int g = 0; g < G; ++g) sums[g] = sums[g].fmadd(Sixteen::broadcast(weights[(g0 + g) * n + j]), v);
         }
-        for (int g = 0; g < G; ++g)
-          for (int r = 0; r < 2; ++r) _mm256_storeu_ps(acc + (g0 + g) * dim + from + VECTOR * r, sums[2 * g + r]);
+        for (int g = 0; g < G; ++g) sums[g].store(acc + (g0 + g) * dim + from);
       });
     }
   }

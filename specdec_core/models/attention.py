@@ -12,7 +12,8 @@ The linear layers must be row-invariant too: torch's int4 and int8 CPU kernels a
 row is its own dot products), float GEMMs are not (`ModelRunner.row_invariant`).
 
 Registered as a transformers attention implementation, `IMPLEMENTATION`: a pass given `row_slots` takes
-the kernel, any other (prefill, drafters' passes, transformers' generate) takes SDPA.
+the kernel, any other (prefill, drafters' passes, transformers' generate) takes SDPA. The kernel is built
+once per kernel family (vnni.family(), so SPECDEC_ISA chooses it too), each build with the same bits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernels import build, cpu_flags, traceable
+from . import vnni
+from .kernels import build, traceable
 
 IMPLEMENTATION = "specdec"
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -57,11 +59,23 @@ def takes(config, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and set(layers) == {"full_attention"}
 
 
-@functools.cache
+# The attention kernel's build per kernel family (vnni.family()): the avx512 family's takes AVX-512 registers,
+# the avx2 family's AVX2 ones, with the same bits; with neither, plain C++. -ffp-contract=off: no product and
+# sum of the scalar tails fused into one rounding by one build and not by another.
+BUILD_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], None: []}
+
+
 def extension() -> ModuleType | None:
-    """The compiled kernel, or None where it cannot be built (then passes are not row-invariant)."""
-    flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
-    return build("specdec_attention", SOURCE, flags, "the row-invariant attention kernel")
+    """The compiled kernel for this process's kernel family, or None where it cannot be built (then passes are not
+    row-invariant)."""
+    return family_extension(vnni.family())
+
+
+@functools.cache
+def family_extension(family: str | None) -> ModuleType | None:
+    """The kernel built for `family` (a BUILD_FLAGS key), or None where it cannot be built."""
+    name = "specdec_attention" + (f"_{family}" if family else "")
+    return build(name, SOURCE, [*BUILD_FLAGS[family], "-ffp-contract=off"], f"the row-invariant attention kernel ({family or 'plain C++'})")
 
 
 def attention(
