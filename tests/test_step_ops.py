@@ -150,3 +150,27 @@ def test_a_slot_outside_the_cache_is_refused():
     keys = values = torch.zeros(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="slot 4 lies outside the cache's 4"):
         step_ops.extension().rotate_and_cache(q, k, v, cos, sin, keys, values, torch.tensor([[4]]))
+
+
+@needs_ops
+def test_kernel_layers_take_an_attention_wider_than_the_hidden_size():
+    """A Llama whose heads * head_dim (128) is not its hidden size (64): o_proj reads the attention's width."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec_core.models.quant import quantize_model
+    from specdec_core.models.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="specdec").to(torch.bfloat16).eval()
+    runner = ModelRunner(model, tokenizer, "wide-attention")
+    quantize_model(model, "int4")
+    assert step_ops.kernel_layers(model) is not None
+    with mock.patch.object(step_ops, "for_pass", lambda hidden: None):
+        modules = passes(runner)
+    calls: list = []
+    with mock.patch.object(step_ops, "kernel_layers", counted(calls)):
+        on_kernel_layers = passes(runner)
+    assert calls and all(torch.equal(a, b) for a, b in zip(on_kernel_layers, modules))

@@ -221,7 +221,7 @@ struct KernelLayer {
   // The attention's output `attended` [B, k, heads, D] (any strides) through o_proj, added to hidden and normed,
   // then the MLP: down(silu(gate) * up). Returns (hidden + o_proj's output, the MLP's output).
   std::tuple<torch::Tensor, torch::Tensor> mlp(const torch::Tensor& hidden, const torch::Tensor& attended, bool tiles) const {
-    auto [summed, x] = add_rms_norm(hidden, o(attended.reshape(hidden.sizes()), tiles), post_norm, eps);
+    auto [summed, x] = add_rms_norm(hidden, o(attended.reshape({hidden.size(0), hidden.size(1), -1}), tiles), post_norm, eps);
     const std::vector<torch::Tensor> halves = gate_up(x, tiles).chunk(2, -1);
     torch::Tensor activated;
     {
