@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec_core.config import ModelConfig
-from specdec_core.models import attention, vnni
+from specdec_core.models import attention
 from specdec_core.models.attention import RowSlots, row_slots
 from specdec_core.models.loading import load_runner
 from specdec_core.models.runner import BatchCache
@@ -124,7 +124,7 @@ def test_a_verify_pass_equals_one_token_steps(int4_target, row_invariant):
 def test_every_familys_build_computes_the_same_bits(dtype):
     """The avx512 family's build (AVX-512 registers) and the avx2 family's (AVX2 ones) give each row the same bits,
     at the 1.5B's head size and with a tail past the last 16 lanes, so forcing SPECDEC_ISA changes no text."""
-    builds = [attention.family_extension(family) for family in ("avx2", "avx512") if vnni.runs_here(family)]
+    builds = [attention.family_extension(family) for family in ("avx2", "avx512") if attention.build_runs_here(family)]
     if len(builds) < 2 or None in builds:
         pytest.skip("this CPU runs one kernel family only")
     for dim, length in ((128, 1), (128, 9), (DIM, 7)):
@@ -135,3 +135,19 @@ def test_every_familys_build_computes_the_same_bits(dtype):
         slots = row_slots(allowed)
         avx2, avx512 = (build.attend(query, key, value, slots.slots, slots.offsets, dim**-0.5) for build in builds)
         assert torch.equal(avx2, avx512), (dim, length)
+
+
+def test_the_attention_build_follows_the_kernel_family_where_this_cpu_runs_it(monkeypatch):
+    """SPECDEC_ISA's family chooses the build; where vnni stands an AVX-512 CPU in for an AVX2 one (the emulated
+    kernel's tests in CI), the attention stays on the AVX2 build this CPU runs, not one that would stop it."""
+    built = []
+    monkeypatch.setattr(attention, "family_extension", lambda family: built.append(family))
+    monkeypatch.setattr(attention, "cpu_flags", lambda: {"avx2", "fma"})
+    for family, expected in (("avx512", "avx2"), ("avx2", "avx2"), (None, None)):
+        monkeypatch.setattr(attention.vnni, "family", lambda family=family: family)
+        attention.extension()
+        assert built[-1] == expected
+    monkeypatch.setattr(attention, "cpu_flags", lambda: {"avx512f", "avx2", "fma"})
+    monkeypatch.setattr(attention.vnni, "family", lambda: "avx512")
+    attention.extension()
+    assert built[-1] == "avx512"

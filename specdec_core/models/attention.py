@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import vnni
-from .kernels import build, traceable
+from .kernels import build, cpu_flags, traceable
 
 IMPLEMENTATION = "specdec"
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -63,12 +63,22 @@ def takes(config, dtype: torch.dtype) -> bool:
 # the avx2 family's AVX2 ones, with the same bits; with neither, plain C++. -ffp-contract=off: no product and
 # sum of the scalar tails fused into one rounding by one build and not by another.
 BUILD_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], None: []}
+BUILD_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, None: set()}
+
+
+def build_runs_here(family: str | None) -> bool:
+    """Whether this CPU runs the instructions of `family`'s build, by its own flags (not vnni's, which tests of
+    the emulated kernel stand another CPU in for)."""
+    return BUILD_CPU_FLAGS[family] <= cpu_flags()
 
 
 def extension() -> ModuleType | None:
     """The compiled kernel for this process's kernel family, or None where it cannot be built (then passes are not
     row-invariant)."""
-    return family_extension(vnni.family())
+    family = vnni.family()
+    if family == "avx512" and not build_runs_here(family):  # the emulated avx512 kernel (tests) on a CPU without AVX-512
+        family = "avx2"
+    return family_extension(family if build_runs_here(family) else None)
 
 
 @functools.cache
