@@ -210,11 +210,12 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
         for (int64_t t = 0; t < dim; ++t)
           q[g * dim + t] = static_cast<float>(q_data[b * qs[0] + (h * groups + g) * qs[1] + i * qs[2] + t * qs[3]]) * scaling;
       scores.assign(groups * n, 0.f);
+      const auto key = [&](int64_t j) { return k_data + b * ks[0] + h * ks[1] + slots[first + j] * ks[2]; };
       const auto value = [&](int64_t j) { return v_data + b * vs[0] + h * vs[1] + slots[first + j] * vs[2]; };
       for (int64_t j = 0; j < n; ++j) {
-        const T* k = k_data + b * ks[0] + h * ks[1] + slots[first + j] * ks[2];
+        const T* k = key(j);
         if (j + kAhead < n) {  // a decode step finds its cache in memory, not in a core's caches: ask ahead
-          prefetch_row(k_data + b * ks[0] + h * ks[1] + slots[first + j + kAhead] * ks[2], dim, _MM_HINT_T0);
+          prefetch_row(key(j + kAhead), dim, _MM_HINT_T0);
           prefetch_row(value(j + kAhead), dim, _MM_HINT_T1);  // for the weighted sums, after the softmax
         }
         for (int64_t t = 0; t < dim; ++t) key_row[t] = static_cast<float>(k[t]);  // exact: once for every group

@@ -59,33 +59,33 @@ def takes(config, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and set(layers) == {"full_attention"}
 
 
-# The attention kernel's build per kernel family (vnni.family()): the avx512 family's takes AVX-512 registers,
-# the avx2 family's AVX2 ones, with the same bits; with neither, plain C++. -ffp-contract=off: no product and
-# sum of the scalar tails fused into one rounding by one build and not by another.
+# The attention kernel's build per kernel family (vnni.family()), widest first: the avx512 family's takes AVX-512
+# registers, the avx2 family's AVX2 ones, with the same bits; with neither, plain C++. Each -m flag names the CPU
+# flag it needs.
 BUILD_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], None: []}
-BUILD_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, None: set()}
 
 
 def build_runs_here(family: str | None) -> bool:
     """Whether this CPU runs the instructions of `family`'s build, by its own flags (not vnni's, which tests of
     the emulated kernel stand another CPU in for)."""
-    return BUILD_CPU_FLAGS[family] <= cpu_flags()
+    return {flag.removeprefix("-m") for flag in BUILD_FLAGS[family]} <= cpu_flags()
 
 
 def extension() -> ModuleType | None:
-    """The compiled kernel for this process's kernel family, or None where it cannot be built (then passes are not
-    row-invariant)."""
-    family = vnni.family()
-    if family == "avx512" and not build_runs_here(family):  # the emulated avx512 kernel (tests) on a CPU without AVX-512
-        family = "avx2"
-    return family_extension(family if build_runs_here(family) else None)
+    """The compiled kernel for this process's kernel family, or the next narrower build where this CPU cannot run
+    that one (the emulated avx512 kernel's tests on an AVX2 CPU), or None where it cannot be built (then passes
+    are not row-invariant)."""
+    builds = list(BUILD_FLAGS)
+    return family_extension(next(f for f in builds[builds.index(vnni.family()):] if build_runs_here(f)))
 
 
 @functools.cache
 def family_extension(family: str | None) -> ModuleType | None:
     """The kernel built for `family` (a BUILD_FLAGS key), or None where it cannot be built."""
     name = "specdec_attention" + (f"_{family}" if family else "")
-    return build(name, SOURCE, [*BUILD_FLAGS[family], "-ffp-contract=off"], f"the row-invariant attention kernel ({family or 'plain C++'})")
+    # No contraction: no build fuses a scalar tail's product and sum into one rounding where another does not.
+    return build(name, SOURCE, [*BUILD_FLAGS[family], *vnni.NO_CONTRACTION],
+                 f"the row-invariant attention kernel ({family or 'plain C++'})")
 
 
 def attention(

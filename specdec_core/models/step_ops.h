@@ -19,7 +19,6 @@
 #include <torch/extension.h>
 #include <ATen/record_function.h>
 
-
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -176,7 +175,6 @@ torch::Tensor rotate_and_cache(const torch::Tensor& q, const torch::Tensor& k, c
   with_dtype(q, [&](auto type) { rotate_and_cache_impl<decltype(type)>(q, k, v, cos, sin, keys, values, slot, query); });
   return query.transpose(1, 2);
 }
-
 
 // y = x @ W.T (+ bias) on the quantized product, as VnniLinear computes it: x [..., K] -> [..., N] in x's dtype,
 // the bias added by ATen in that dtype afterwards (a second rounding, as the module's `out + bias` does).

@@ -58,12 +58,16 @@ def _made_kernel_layers(model: nn.Module, ops: ModuleType | None) -> list[Any] |
         if len({*(norm.weight.dtype for norm in norms), qkv.dtype}) != 1 or len({norm.variance_epsilon for norm in norms}) != 1:
             return None
         sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
-        weights = [tensor for p in projections for tensor in (p.packed, p.scale_min, p.bias)]
         layers.append(ops.kernel_layer(
-            layer.input_layernorm.weight, *weights[:3], sizes, *weights[3:6], layer.post_attention_layernorm.weight,
-            *weights[6:], layer.input_layernorm.variance_epsilon,
+            layer.input_layernorm.weight, *_weights(qkv), sizes, *_weights(attention.o_proj), layer.post_attention_layernorm.weight,
+            *_weights(gate_up), *_weights(mlp.down_proj), layer.input_layernorm.variance_epsilon,
         ))
     return layers
+
+
+def _weights(projection: VnniLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A projection's packed weights, scales and mins, and bias, as KernelLayer takes them."""
+    return projection.packed, projection.scale_min, projection.bias
 
 
 def takes_kernel_layers(hidden: torch.Tensor) -> bool:
