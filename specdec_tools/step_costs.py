@@ -12,7 +12,7 @@ combination (a tree's pass is taken as wide as it is deep, so trees come out a l
     python -m specdec_tools.step_costs --config configs/default.yaml --steps eager,static \\
         --lengths 1,2,4,8,16,32,64 --prefill 512,2048 --llama-cpp /work/llama-native --out step-costs.json
     python -m specdec_tools.step_costs --shapes qwen2.5-coder-1.5b --draft-shapes qwen2.5-coder-0.5b \\
-        --device cuda --weights bf16 --lengths 1,2,4,8,16,32,64 \\
+        --device cuda --lengths 1,2,4,8,16,32,64 \\
         --acceptance docs/benchmarks/qwen2.5-coder-1.5b-int4-workloads-t0/results.json --out step-costs.json
 """
 

@@ -415,6 +415,14 @@ def test_int4_finds_a_grid_whose_extremes_are_unused():
     assert error <= 1e-6 * linear.weight.abs().max()
 
 
+def test_int4_quantizes_on_the_weights_device():
+    """Every tensor of the step search lives where the weight does: on CUDA a CPU index made every layer fall
+    back to bf16 (seen on an H200). The meta device refuses the mix as CUDA does, and runs without memory."""
+    q, scales_and_zeros = quantize_int4(torch.empty(32, 64, device="meta"), 32, torch.bfloat16)
+    assert q.device.type == scales_and_zeros.device.type == "meta"
+    assert q.shape == (32, 64) and scales_and_zeros.shape == (2, 32, 2)
+
+
 @pytest.mark.parametrize(
     "out_features,in_features,group_size,reason",
     [(40, 64, 32, "multiple of 16"), (32, 48, 32, "multiple of the group size"), (32, 64, 16, "group size 16")],

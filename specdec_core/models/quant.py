@@ -142,7 +142,7 @@ def _quantize_int4_rows(weight: torch.Tensor, group_size: int, dtype: torch.dtyp
         scales, zeros = scale_zero(levels)
         t = positions(scales, zeros)
         errors.append((t.round().clamp(0, 15) - t).square().sum(dim=2) * scales.square())
-    scales, zeros = scale_zero(torch.tensor(INT4_LEVELS)[torch.stack(errors).argmin(dim=0)])
+    scales, zeros = scale_zero(torch.tensor(INT4_LEVELS, device=w.device)[torch.stack(errors).argmin(dim=0)])
     q = positions(scales, zeros).round().clamp(0, 15).to(torch.int32)
     return q, torch.stack([scales.to(dtype), zeros.to(dtype)], dim=2).transpose(0, 1)
 
