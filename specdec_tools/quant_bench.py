@@ -40,6 +40,7 @@ from specdec_core.models.quant import (
     QuantLinear,
     VnniLinear,
     cache_file,
+    keep_dequantized,
     quantize_model,
 )
 from specdec_core.models.runner import ModelRunner
@@ -148,18 +149,19 @@ KERNEL_PATHS = (*vnni.FAMILIES, "amx", "dequantize")
 def kernel_path(path: str) -> Iterator[None]:
     """Passes of any length on `path`: a kernel family ("avx512": vpdpbusd, "avx2": vpmaddubsw) for every
     pass, "amx" (tiles from vnni.AMX_MIN_ROWS rows, one-row passes on AVX-512 VNNI) or "dequantize"
-    (passes of 2 rows or more as bf16 weights and torch's matmul, one-row passes on the default family).
+    (passes of 2 rows or more as bf16 weights, dequantized each call or kept where the layer keeps them, and
+    torch's matmul; one-row passes on the default family).
     Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
-    saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS
+    saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS, vnni.DEQUANTIZE_ROWS_KEPT_AMX
     vnni.AMX_MIN_ROWS = saved[0] if path == "amx" else 10**9
-    vnni.DEQUANTIZE_ROWS = 2 if path == "dequantize" else 10**9
+    vnni.DEQUANTIZE_ROWS = vnni.DEQUANTIZE_ROWS_KEPT_AMX = 2 if path == "dequantize" else 10**9
     isa = {} if path == "dequantize" else {vnni.ISA_ENV: path}
     try:
         with mock.patch.dict(os.environ, isa):
             vnni.choose_anew()
             yield
     finally:
-        vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS = saved
+        vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS, vnni.DEQUANTIZE_ROWS_KEPT_AMX = saved
         vnni.choose_anew()  # chosen again from the environment as it was
 
 
@@ -239,6 +241,7 @@ def bench_model_passes(model: str, context: int, tokens: list[int], paths: list[
     output layer, the argmax and the rest (attention over the cache, norms, rotary, masks, Python).
     Each measurement is the pass with the median total of `passes`; the cache is cut back after each."""
     runner = load_variant(model, Variant("bf16", "int4"))
+    keep_dequantized(runner.model, True)  # as a served target's (prefill.keep_bf16_weights): "dequantize" multiplies
     timer = SectionTimer(runner.model)
     ids = runner.tokenizer(inspect.getsource(importlib.import_module(HELD_OUT_MODULE)))["input_ids"]
     cache, _, _ = runner.prefill(ids[:context])

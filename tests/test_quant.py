@@ -176,6 +176,25 @@ def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_fa
 
 
 @needs_vnni
+@pytest.mark.parametrize("bf16_tiles", [True, False])
+def test_kept_weights_take_the_bf16_product_sooner_on_amx(bf16_tiles: bool, monkeypatch):
+    """A pass of DEQUANTIZE_ROWS_KEPT_AMX rows takes the kept bf16 product where the CPU multiplies bf16 on AMX
+    tiles, and the kernel where it does not or where the weights are not kept, each equal to that path's own."""
+    monkeypatch.setattr(vnni, "bf16_tiles", lambda: bf16_tiles)
+    torch.manual_seed(9)
+    layer = VnniLinear.from_linear(nn.Linear(256, 64, bias=False, dtype=torch.bfloat16), "int4")
+    x = torch.randn(vnni.DEQUANTIZE_ROWS_KEPT_AMX, 256, dtype=torch.bfloat16)
+    on_kernel = vnni.mm(x, layer.packed, layer.scale_min)
+    bf16_product = torch.mm(x, vnni.dequantize_t(layer.packed, layer.scale_min).to(x.dtype))
+    assert not torch.equal(on_kernel, bf16_product)
+    assert torch.equal(layer(x), on_kernel)
+    quant.keep_dequantized(layer, True)
+    assert torch.equal(layer(x), bf16_product if bf16_tiles else on_kernel)
+    assert (layer._dequantized is not None) == bf16_tiles
+    assert torch.equal(layer(x[:-1]), vnni.mm(x[:-1], layer.packed, layer.scale_min))  # a row fewer: the kernel
+
+
+@needs_vnni
 def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request():
     """Engine.warm_up (the server's, before it says ready): the first long pass's dequantization is paid there."""
     config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},

@@ -119,9 +119,14 @@ def test_the_fused_ops_and_kernel_layers_compute_the_modules_numbers_bit_for_bit
 def test_long_passes_and_float_projections_take_the_modules():
     """A pass that would dequantize its weights, or a model with float projections, has no KernelLayers."""
     hidden = torch.zeros(1, vnni.DEQUANTIZE_ROWS, 8, dtype=torch.bfloat16)
-    assert not step_ops.takes_kernel_layers(hidden)
+    assert not step_ops.takes_kernel_layers(hidden, kept=False)
     with vnni.row_invariant(True):  # a row-invariant pass takes the kernel at any length
-        assert step_ops.takes_kernel_layers(hidden) == (step_ops.extension() is not None)
+        assert step_ops.takes_kernel_layers(hidden, kept=False) == (step_ops.extension() is not None)
+    shorter = hidden[:, : vnni.DEQUANTIZE_ROWS_KEPT_AMX]  # dequantized sooner where kept weights meet AMX
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vnni, "bf16_tiles", lambda: True)
+        assert not step_ops.takes_kernel_layers(shorter, kept=True)
+        assert step_ops.takes_kernel_layers(shorter, kept=False) == (step_ops.extension() is not None)
     float_model = load_runner("tiny-random-qwen2", ModelConfig(target="tiny-random-qwen2", dtype="fp32", device="cpu")).model
     assert step_ops.kernel_layers(float_model) is None
 

@@ -257,7 +257,7 @@ class VnniLinear(QuantLinear):
         return cls(*packed, linear.bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if not vnni.dequantizes(x.shape[0]):
+        if not vnni.dequantizes(x.shape[0], self.keeps_dequantized):
             return vnni.mm(x, self.packed, self.scale_min)
         # There the product is a bf16 GEMM, whose sums are blocked by the output count: each part's own product
         # then, as its own layer computes it.
@@ -289,6 +289,7 @@ def fuse(layers: list[nn.Module]) -> VnniLinear | None:
     fused = VnniLinear(torch.cat([layer.packed for layer in layers]), torch.cat([layer.scale_min for layer in layers]),
                        None if biases[0] is None else torch.cat(biases), tuple(layer.packed.shape[0] for layer in layers))
     fused.dtype = layers[0].dtype
+    fused.keeps_dequantized = layers[0].keeps_dequantized
     for layer, packed, scale_min in zip(layers, fused.packed.split(fused.parts), fused.scale_min.split(fused.parts)):
         layer.packed, layer.scale_min = packed, scale_min
     return fused

@@ -65,7 +65,8 @@ def decoder_pass(
     hidden = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(hidden, positions)
     ops = step_ops.for_pass(hidden)
-    kernel = step_ops.kernel_layers(model) if step_ops.takes_kernel_layers(hidden) else None
+    kept = bool(projections) and getattr(projections[0][0], "keeps_dequantized", False)
+    kernel = step_ops.kernel_layers(model) if step_ops.takes_kernel_layers(hidden, kept) else None
     layers = kernel or [ModuleLayer(layer, qkv, gate_up, ops) for layer, (qkv, gate_up) in zip(decoder.layers, projections)]
     tiles = kernel is not None and batch * k >= vnni.AMX_MIN_ROWS and vnni.amx()  # as vnni.mm chooses
     scaling = decoder.layers[0].self_attn.scaling

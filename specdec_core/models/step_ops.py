@@ -70,9 +70,10 @@ def _weights(projection: VnniLinear) -> tuple[torch.Tensor, torch.Tensor, torch.
     return projection.packed, projection.scale_min, projection.bias
 
 
-def takes_kernel_layers(hidden: torch.Tensor) -> bool:
+def takes_kernel_layers(hidden: torch.Tensor, kept: bool) -> bool:
     """Whether a pass over `hidden` [B, k, H] may run KernelLayers: on the fused ops, with activations the kernel
-    reads, and short enough (or row-invariant) that every projection takes the kernel, not dequantized weights."""
+    reads, and short enough (or row-invariant) that every projection takes the kernel, not dequantized weights
+    (`kept`: the model keeps its bf16 weights, quant.keep_dequantized)."""
     rows = hidden.shape[0] * hidden.shape[1]
     return (for_pass(hidden) is not None and hidden.dtype in (torch.float32, torch.bfloat16)
-            and not vnni.dequantizes(rows))
+            and not vnni.dequantizes(rows, kept))

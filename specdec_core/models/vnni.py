@@ -70,6 +70,10 @@ ISAS = ("avx2", "avx512", "amx")
 # against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). On a Xeon with AMX, VNNI with 8 rows per
 # register block: 12.8 ms against 17.4 at 128 rows, level at 256, 51 against 26 at 512; AMX tiles no faster.
 DEQUANTIZE_ROWS = 128
+# Where the bf16 weights are kept (quant.keep_dequantized: a prefill's chunks) the product costs no dequantization,
+# and on AMX (torch's bf16 GEMM on tiles) it wins sooner: the 1.5B's whole prefill on a Xeon with AMX, 2 threads,
+# level with the kernel at 80 rows, 1.12x faster at 96 and 1.33x at 127 (docs/QUANT.md). Without AMX, unmeasured.
+DEQUANTIZE_ROWS_KEPT_AMX = 96
 # Set through `row_invariant` while a pass must compute each row as the single steps it stands for do (a verify
 # pass): it takes the kernel at any number of rows, since the bf16 GEMM past DEQUANTIZE_ROWS rounds otherwise.
 # A module global, not a context variable, so that a compiled step's guards see it.
@@ -207,9 +211,21 @@ def row_invariant(on: bool) -> Iterator[None]:
         row_invariant_pass = saved
 
 
-def dequantizes(rows: int) -> bool:
-    """Whether a pass of `rows` rows multiplies by dequantized bf16 weights instead of the kernel."""
-    return rows >= DEQUANTIZE_ROWS and not row_invariant_pass
+def dequantizes(rows: int, kept: bool = False) -> bool:
+    """Whether a pass of `rows` rows multiplies by dequantized bf16 weights instead of the kernel; `kept`: the
+    layer keeps its bf16 weights."""
+    return rows >= dequantize_rows(kept) and not row_invariant_pass
+
+
+def dequantize_rows(kept: bool) -> int:
+    """From how many rows a pass takes the bf16 product: sooner where the weights are kept and the CPU has AMX."""
+    return min(DEQUANTIZE_ROWS, DEQUANTIZE_ROWS_KEPT_AMX) if kept and bf16_tiles() else DEQUANTIZE_ROWS
+
+
+@functools.cache
+def bf16_tiles() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (torch's bf16 GEMM takes them where it does)."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, dequantized: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,7 +235,7 @@ def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, dequantiz
     weights are dequantized to bf16, or `dequantized` (`dequantize_t`'s, kept) is taken, unless the pass must be
     row-invariant (`row_invariant`)."""
     rows = x.shape[0]
-    if dequantizes(rows):
+    if dequantizes(rows, dequantized is not None):
         weights = dequantize_t(packed, scale_min) if dequantized is None else dequantized
         return torch.mm(x, weights.to(x.dtype))
     tiles = rows >= AMX_MIN_ROWS and amx()
