@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from specdec_core.build import build_engine
 from specdec_core.config import Config, ModelConfig, SpeculationConfig
@@ -92,6 +93,18 @@ def test_padded_passes_cover_every_length_up_to_the_longest():
         assert cache.pending == k
         cache.commit(torch.zeros(1, k, dtype=torch.bool))
     assert cache.lengths.tolist() == [3]
+
+
+def test_a_compiled_padded_step_compiles_two_graphs_for_every_pass_length():
+    """Warmed up as on CUDA (padded to PASS_LENGTHS): one graph for one-token passes, one for every longer pass.
+    The cache's head count (2 here) must not tie the pass length to it: that was a third graph, and on an H200 a
+    third minute of compiling."""
+    runner = StaticRunner.of(tiny_runner(), compiled=True, pad=True)
+    assert runner.config.num_key_value_heads == 2
+    torch._dynamo.reset()  # graphs an earlier test compiled for this model would be found, not compiled
+    counters.clear()
+    runner.warm_up((1,))
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_the_step_costs_script_runs_on_the_cpu_with_tiny_shapes(tmp_path):

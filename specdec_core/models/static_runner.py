@@ -198,10 +198,15 @@ class StaticRunner(ModelRunner):
         # uncompiled, and cost no graphs of their own.
         compiled = self.compiled and short and row_invariant == self.row_invariant
         run = self._compiled_pass if compiled else self._pass
-        if compiled and device.type == "cuda":
-            # The pass writes the cache in place: CUDA graphs replay such writes only into static addresses.
+        if compiled:
             for tensor in (*cache.keys, *cache.values):
-                torch._dynamo.mark_static_address(tensor)
+                # The head count and size are the model's: were they dynamic, dynamo would tie the pass length to
+                # whichever equals it (k = 2 kv heads) and compile one more graph (a minute on an H200's host).
+                torch._dynamo.mark_static(tensor, 1)
+                torch._dynamo.mark_static(tensor, 3)
+                if device.type == "cuda":
+                    # The pass writes the cache in place: CUDA graphs replay such writes only into static addresses.
+                    torch._dynamo.mark_static_address(tensor)
         with vnni.row_invariant(row_invariant):
             logits, hidden = run(
                 input_ids, cache.lengths[:, None] + depths, cache.write_slots(width), cache.keys, cache.values,
