@@ -6,7 +6,8 @@ same GGUF file and threads from llama-bench, in the same run (after ours).
 Where the real weights cannot go (a GPU machine takes 64 MiB), --shapes builds a registry model's exact
 architecture with random weights: a pass costs what its shapes cost, whatever the values. --acceptance
 combines the costs with a bench run's measured tokens per step into expected speedups, labelled as that
-combination (a tree's pass is taken as wide as it is deep, so trees come out a little better than they are).
+combination (a tree's pass is taken as wide as it is deep, so trees come out a little better than they are);
+--costs prices an earlier run's JSON (a GPU machine's, say) with --acceptance, measuring nothing.
 
     python -m specdec_tools.step_costs --config configs/default.yaml --lengths 1,2,4,8 --reps 10
     python -m specdec_tools.step_costs --config configs/default.yaml --steps eager,static \\
@@ -269,6 +270,20 @@ def measure(args) -> dict:
     return result
 
 
+def priced(costs: Path, acceptance: Path) -> dict:
+    """An earlier run's pass and draft costs (`costs`, this script's JSON, from any machine) priced with a bench
+    run's tokens per step, without measuring anything."""
+    run = json.loads(costs.read_text())
+    passes = {step: {int(k): ms for k, ms in by_k.items()} for step, by_k in run["pass_ms"].items()}
+    return {
+        "costs": str(costs), "device_name": run["device_name"],
+        "label": f"expected speedups: pass and draft costs measured by {costs} ({run['device_name']}"
+        f"{', random weights' if run.get('random_weights') else ''}) x tokens per step measured by the bench run "
+        f"{acceptance} (its machine, its weights)",
+        "methods": expected_speedups(passes, run["draft_step_ms"], acceptance),
+    }
+
+
 def llama_cpp_inputs(directory: Path, target: str) -> tuple[Path, Path]:
     """llama-bench in `directory` and the GGUF file the registry converted `target` from; stops with what to do
     when either is missing."""
@@ -319,7 +334,13 @@ def main(argv: list[str] | None = None) -> None:
         f"the GGUF file of --config's target: pp of each length, tg {LLAMA_CPP_GENERATED} and the prefills "
         f"(pp{LLAMA_CPP_PREFILL} always), on the same threads",
     )
+    parser.add_argument("--costs", type=Path, help="with --acceptance: price this earlier run's costs (its JSON) instead of measuring")
     args = parser.parse_args(argv)
+    if args.costs:
+        if not args.acceptance:
+            raise SystemExit("step_costs: --costs prices an earlier run's costs with --acceptance's tokens per step: give both")
+        measurement.report(priced(args.costs, args.acceptance), args.out, __spec__.name, argv)
+        return
     result = measure(args)
     measurement.report(result, args.out, __spec__.name, argv)
     if args.out:

@@ -126,6 +126,23 @@ def test_the_step_costs_script_runs_on_the_cpu_with_tiny_shapes(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_the_step_costs_script_prices_an_earlier_runs_costs(tmp_path):
+    """--costs: a GPU machine's JSON priced here with a bench run's tokens per step, measuring nothing. Passes as
+    cheap at 8 tokens as at 1 make a lookup drafter's expected speedup its tokens per step, less its host time."""
+    costs = tmp_path / "gpu.json"
+    costs.write_text(json.dumps({"device_name": "a GPU", "random_weights": True, "pass_ms": {"compiled": {"1": 5.0, "8": 5.0}},
+                                 "draft_step_ms": {"eagle": 50.0}}))
+    out = tmp_path / "expected.json"
+    step_costs.main(["--costs", str(costs), "--acceptance", str(RESULTS), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert "a GPU, random weights" in result["label"] and "bench run" in result["label"]
+    methods = {row["method"]: row for row in result["methods"]}
+    suffix = methods["suffix"]
+    assert 0 < suffix["expected_speedup_compiled"] < suffix["tokens_per_step"]
+    with pytest.raises(SystemExit, match="give both"):
+        step_costs.main(["--costs", str(costs)])
+
+
 @pytest.mark.parametrize("name, parameters", [
     # Counted in the pulled checkpoints: converted from GGUF, each has an output layer of its own.
     ("qwen2.5-coder-1.5b", 1_777_088_000),
