@@ -178,20 +178,30 @@ def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_fa
 @needs_vnni
 @pytest.mark.parametrize("bf16_tiles", [True, False])
 def test_kept_weights_take_the_bf16_product_sooner_on_amx(bf16_tiles: bool, monkeypatch):
-    """A pass of DEQUANTIZE_ROWS_KEPT_AMX rows takes the kept bf16 product where the CPU multiplies bf16 on AMX
-    tiles, and the kernel where it does not or where the weights are not kept, each equal to that path's own."""
+    """Where the CPU multiplies bf16 on AMX tiles, a kept layer takes the bf16 product from DEQUANTIZE_ROWS_KEPT_AMX
+    rows, on its weights prepacked once for oneDNN's matmul; elsewhere, or unkept, the kernel up to DEQUANTIZE_ROWS
+    and torch.mm past it. Each equals that path's own product."""
+    if bf16_tiles and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 matmul on this CPU")
     monkeypatch.setattr(vnni, "bf16_tiles", lambda: bf16_tiles)
     torch.manual_seed(9)
     layer = VnniLinear.from_linear(nn.Linear(256, 64, bias=False, dtype=torch.bfloat16), "int4")
     x = torch.randn(vnni.DEQUANTIZE_ROWS_KEPT_AMX, 256, dtype=torch.bfloat16)
     on_kernel = vnni.mm(x, layer.packed, layer.scale_min)
-    bf16_product = torch.mm(x, vnni.dequantize_t(layer.packed, layer.scale_min).to(x.dtype))
+    weights = vnni.dequantize_t(layer.packed, layer.scale_min).to(x.dtype)
+    prepacked = torch.ops.mkldnn._reorder_linear_weight(weights.T.contiguous(), vnni.DEQUANTIZE_ROWS)
+    bf16_product = torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [None], "")
     assert not torch.equal(on_kernel, bf16_product)
     assert torch.equal(layer(x), on_kernel)
     quant.keep_dequantized(layer, True)
     assert torch.equal(layer(x), bf16_product if bf16_tiles else on_kernel)
-    assert (layer._dequantized is not None) == bf16_tiles
     assert torch.equal(layer(x[:-1]), vnni.mm(x[:-1], layer.packed, layer.scale_min))  # a row fewer: the kernel
+    longer = torch.randn(vnni.DEQUANTIZE_ROWS, 256, dtype=torch.bfloat16)
+    expected = torch.ops.mkldnn._linear_pointwise(longer, prepacked, None, "none", [None], "") if bf16_tiles else torch.mm(longer, weights)
+    assert torch.equal(layer(longer), expected)
+    assert layer._dequantized[0].is_mkldnn == bf16_tiles
+    quant.keep_dequantized(layer, False)
+    assert torch.equal(layer(longer), torch.mm(longer, weights))
 
 
 @needs_vnni

@@ -264,7 +264,7 @@ class VnniLinear(QuantLinear):
         sizes = self.parts or (self.packed.shape[0],)
         parts = list(zip(self.packed.split(sizes), self.scale_min.split(sizes)))
         if self.keeps_dequantized and self._dequantized is None:
-            self._dequantized = [vnni.dequantize_t(packed, scale_min) for packed, scale_min in parts]
+            self._dequantized = [vnni.kept_weights(packed, scale_min, x.dtype) for packed, scale_min in parts]
         kept = self._dequantized or [None] * len(parts)
         return torch.cat([vnni.mm(x, packed, scale_min, weights) for (packed, scale_min), weights in zip(parts, kept)], dim=-1)
 
@@ -313,7 +313,8 @@ def fused_projections(model: nn.Module) -> list[tuple[VnniLinear | None, VnniLin
 def keep_dequantized(model: nn.Module, keep: bool) -> None:
     """Whether `model`'s kernel layers (and its fused projections) keep the bf16 weights their first long pass
     dequantizes (2.6 GB for a 1.5B model): a chunked prefill's every chunk then costs its product, not a
-    dequantization of every weight. The kept weights are the very ones dequantized each time: the same numbers."""
+    dequantization of every weight. The kept weights are the ones dequantized each time; on AMX prepacked for
+    oneDNN's matmul (vnni.kept_weights), which rounds as its own: every long pass of a kept layer takes them."""
     fused = [layer for pair in _fused.get(model, ()) for layer in pair if layer is not None]
     for layer in [*model.modules(), *fused]:
         if isinstance(layer, VnniLinear):

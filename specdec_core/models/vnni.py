@@ -71,9 +71,10 @@ ISAS = ("avx2", "avx512", "amx")
 # register block: 12.8 ms against 17.4 at 128 rows, level at 256, 51 against 26 at 512; AMX tiles no faster.
 DEQUANTIZE_ROWS = 128
 # Where the bf16 weights are kept (quant.keep_dequantized: a prefill's chunks) the product costs no dequantization,
-# and on AMX (torch's bf16 GEMM on tiles) it wins sooner: the 1.5B's whole prefill on a Xeon with AMX, 2 threads,
-# level with the kernel at 80 rows, 1.12x faster at 96 and 1.33x at 127 (docs/QUANT.md). Without AMX, unmeasured.
-DEQUANTIZE_ROWS_KEPT_AMX = 96
+# and on AMX (oneDNN's bf16 matmul on tiles, the weights prepacked: kept_weights) it wins sooner: the 1.5B's whole
+# pass on a Xeon with AMX, 2 threads, the kernel's time 0.93x the product's at 32 rows, 1.06x at 48, 1.20x at 64,
+# 1.41x at 96 (docs/QUANT.md). Without AMX, unmeasured.
+DEQUANTIZE_ROWS_KEPT_AMX = 48
 # Set through `row_invariant` while a pass must compute each row as the single steps it stands for do (a verify
 # pass): it takes the kernel at any number of rows, since the bf16 GEMM past DEQUANTIZE_ROWS rounds otherwise.
 # A module global, not a context variable, so that a compiled step's guards see it.
@@ -232,16 +233,29 @@ def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, dequantiz
     """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
     to int8 per 32 inputs, and each row's result is the same whatever the number of rows and whichever
     path (AVX2, VNNI or AMX) takes it (a verify pass computes what single steps do); from there on the
-    weights are dequantized to bf16, or `dequantized` (`dequantize_t`'s, kept) is taken, unless the pass must be
+    weights are dequantized to bf16, or `dequantized` (`kept_weights`') is taken, unless the pass must be
     row-invariant (`row_invariant`)."""
     rows = x.shape[0]
     if dequantizes(rows, dequantized is not None):
+        if dequantized is not None and dequantized.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x.to(dequantized.dtype), dequantized, None, "none", [None], "").to(x.dtype)
         weights = dequantize_t(packed, scale_min) if dequantized is None else dequantized
         return torch.mm(x, weights.to(x.dtype))
     tiles = rows >= AMX_MIN_ROWS and amx()
     if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads and writes these two
         return _mm(x.float(), packed, scale_min, tiles).to(x.dtype)
     return _mm(x, packed, scale_min, tiles)
+
+
+def kept_weights(packed: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weights a layer keeps for its long passes (quant.keep_dequantized): `dequantize_t`'s [K, N],
+    or, for bf16 passes on a CPU that multiplies bf16 on AMX tiles, those prepacked once for oneDNN's matmul
+    ([N, K] in its blocked layout): torch.mm reorders them on every call, and took 1.1-1.8x the prepacked
+    product's time per layer of the 1.5B at 96-192 rows (docs/QUANT.md)."""
+    weights = dequantize_t(packed, scale_min)
+    if dtype != torch.bfloat16 or not bf16_tiles():
+        return weights
+    return torch.ops.mkldnn._reorder_linear_weight(weights.to(dtype).T.contiguous(), DEQUANTIZE_ROWS)  # rows: a hint
 
 
 def group_sums(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, tiles: bool) -> torch.Tensor:
