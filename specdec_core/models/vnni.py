@@ -219,7 +219,8 @@ def dequantizes(rows: int, kept: bool = False) -> bool:
 
 
 def dequantize_rows(kept: bool) -> int:
-    """From how many rows a pass takes the bf16 product: sooner where the weights are kept and the CPU has AMX."""
+    """From how many rows a pass takes the bf16 product: sooner where the weights are kept and the CPU has AMX
+    (never later than DEQUANTIZE_ROWS, which tools lower to force the product)."""
     return min(DEQUANTIZE_ROWS, DEQUANTIZE_ROWS_KEPT_AMX) if kept and bf16_tiles() else DEQUANTIZE_ROWS
 
 
@@ -230,7 +231,7 @@ def bf16_tiles() -> bool:
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, dequantized: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below DEQUANTIZE_ROWS rows x is rounded
+    """x [M, K] (contiguous) @ dequant(weights).T, in x's dtype. Below `dequantize_rows` rows x is rounded
     to int8 per 32 inputs, and each row's result is the same whatever the number of rows and whichever
     path (AVX2, VNNI or AMX) takes it (a verify pass computes what single steps do); from there on the
     weights are dequantized to bf16, or `dequantized` (`kept_weights`') is taken, unless the pass must be
