@@ -295,7 +295,7 @@ class Scheduler:
         if job not in self._jobs:
             return  # failed while this choice waited
         try:
-            admission = self.engine.begin(choice.seq, prompt_logits=choice.echo_logprobs)
+            admission = self.engine.begin(choice.seq, choice.echo_logprobs, joining_before=len(self._prefilling))
         except Exception as exc:
             self._fail(job, internal_error(f"the prefill of {choice.seq.request_id} failed", exc))
             return

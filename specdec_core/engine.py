@@ -168,14 +168,18 @@ class Engine:
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.target.device)
         self.target.forward(row, ids, commit=True, last_logits_only=True)
 
-    def begin(self, seq: Sequence, prompt_logits: bool = False) -> Admission:
+    def begin(self, seq: Sequence, prompt_logits: bool = False, joining_before: int = 0) -> Admission:
         """Start a new sequence's prefill; `advance` prefills it, a chunk a call. A request for the prompt's logits
-        (echo with logprobs) prefills the whole prompt: the cache keeps keys and values, not logits."""
+        (echo with logprobs) prefills the whole prompt: the cache keeps keys and values, not logits.
+        `joining_before`: sequences begun earlier and not yet joined, which join the batch before this one."""
         if not seq.prompt_ids:
             raise ValueError("a prompt needs at least one token")
         ids = seq.tokens[:-1]
         row = self.target.new_cache()
-        row.reserve(1, len(ids))  # the row's capacity is set once: every chunk's pass sees the same cache layout
+        # The row's capacity is set once (every chunk's pass sees the same cache layout), as large as the batch's,
+        # after room for the rows the batch may hold when it joins: the batch's rows are then copied in beside it,
+        # not this one, a long prompt's whole keys and values, into the batch (StaticCache.append).
+        row.reserve(1, max(len(ids), self.cache.slots), rows_before=len(self.seqs) + joining_before)
         return Admission(seq, row, ids, want_logits=prompt_logits)
 
     def _take_cached(self, admission: Admission) -> None:
@@ -196,7 +200,8 @@ class Engine:
 
     def advance(self, admission: Admission) -> bool:
         """Prefill the admission's next chunk (its cached prefix first); once its prompt is all in, it joins the
-        batch. True when it has."""
+        batch: at the next call where rows are running, so that they step between its last chunk and its join (and
+        the first pass that carries it). True when it has joined."""
         if not admission.looked_up:
             self._take_cached(admission)
         ids, start = admission.ids, admission.done
@@ -213,7 +218,7 @@ class Engine:
             admission.done = end
             self.chunks += 1
             self._keep_chunk(admission, start, end)
-        if admission.done < len(ids):
+        if admission.done < len(ids) or (end > start and self.seqs):
             return False
         self._join(admission)
         return True

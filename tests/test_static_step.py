@@ -17,7 +17,7 @@ from specdec_core.control import Controller
 from specdec_core.drafters.layer_skip import LayerSkipDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine
-from specdec_core.models import step_ops
+from specdec_core.models import static_cache, step_ops
 from specdec_core.models.catalogue import REGISTRY
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.paths import gguf_path
@@ -93,6 +93,74 @@ def test_padded_passes_cover_every_length_up_to_the_longest():
         assert cache.pending == k
         cache.commit(torch.zeros(1, k, dtype=torch.bool))
     assert cache.lengths.tolist() == [3]
+
+
+def test_a_long_pass_is_padded_to_whole_prefill_rows_and_keeps_its_own_tokens_only():
+    """A prefill chunk of 100 tokens runs as a pass of 112 (PREFILL_ROWS: a ragged row count is slower on oneDNN's
+    matmul and SDPA); the padding attends itself only and is never committed, so the row holds its 100 tokens
+    and decodes plain greedy decoding's text."""
+    runner = StaticRunner.of(tiny_runner(), compiled=False)
+    widths = []
+    run = runner._pass
+    runner._pass = lambda input_ids, *args: widths.append(input_ids.shape[1]) or run(input_ids, *args)
+    prompt = [(3 * j) % 50 + 3 for j in range(100)]
+    engine = Engine(runner, None, Controller(), set(), chunk_tokens=256)
+    seq = Sequence("p", prompt, SamplingParams(temperature=0.0), 5)
+    decode(engine, [seq])
+    assert widths[0] == 112 and widths[1:] == [1] * 5
+    assert seq.output_ids == greedy_reference(runner, prompt, 5)
+
+
+def rows_of_many_lengths(tag: str) -> list[Sequence]:
+    """Greedy rows whose prompts differ in length (one past a capacity block, so the cache grows) and whose
+    answers end at different steps, so rows leave from the front, the middle and the end."""
+    prompts = [[(5 * j) % 40 + 3 for j in range(3 + 4 * i)] for i in range(4)]
+    prompts.append([(7 * j) % 60 + 3 for j in range(300)])  # over BLOCK (256) tokens
+    return [Sequence(f"{tag}{i}", p, SamplingParams(temperature=0.0), 6 + 5 * (i % 3)) for i, p in enumerate(prompts)]
+
+
+def decode_rows_of_many_lengths(tag: str) -> list[tuple[list[int], list[int]]]:
+    runner = StaticRunner.of(tiny_runner(), compiled=False)
+    assert not runner.row_invariant  # its batched passes read every row's slots up to the longest row's end
+    engine = Engine(runner, NgramDrafter(), Controller(gamma_max=4, fixed_gamma=3), set(), chunk_tokens=16)
+    seqs = rows_of_many_lengths(tag)
+    decode(engine, seqs[:2], {2: seqs[2:4], 4: seqs[4:]})
+    return [(seq.output_ids, greedy_reference(runner, seq.prompt_ids, seq.max_tokens)) for seq in seqs]
+
+
+def test_cache_memory_no_pass_wrote_is_never_read(monkeypatch):
+    """A StaticCache takes its memory untouched (a first touch of a page is slow on our VMs): whatever bits it
+    holds (NaN here) are zeroed before a pass reads them, so rows of different lengths joining, leaving and
+    growing the capacity decode plain greedy decoding's text. Without the zeroing (the negative control) the
+    shorter rows read NaN and their text changes."""
+    buffer = static_cache._buffer
+    monkeypatch.setattr(static_cache, "_buffer", lambda *args: buffer(*args).fill_(float("nan")))
+    for output, reference in decode_rows_of_many_lengths("a"):
+        assert output == reference
+    monkeypatch.setattr(StaticCache, "make_readable", lambda cache, slots: None)
+    assert any(output != reference for output, reference in decode_rows_of_many_lengths("b"))
+
+
+@pytest.mark.parametrize("running", [0, 2])
+def test_a_prompt_joins_the_batch_in_the_memory_it_was_prefilled_in(running):
+    """A prompt's row is prefilled after room for the batch's rows, which are copied in before it when it joins:
+    its own keys and values, a long prompt's many, stay where they are. With rows running it joins at the call
+    after its last chunk, so that they step between the two."""
+    runner = StaticRunner.of(tiny_runner(), compiled=False)
+    engine = Engine(runner, None, Controller(), set(), chunk_tokens=64)  # 5 chunks: the running rows outlast them
+    seqs = rows_of_many_lengths("j")
+    for seq in seqs[:running]:
+        engine.add(seq)
+    admission = engine.begin(seqs[-1])
+    calls = 1
+    while not engine.advance(admission):
+        calls += 1
+        if engine.seqs:
+            engine.step()
+    chunks = -(-(len(seqs[-1].prompt_ids) - 1) // 64)
+    assert calls == chunks + bool(running)
+    assert engine.cache.keys[0][running].data_ptr() == admission.row.keys[0].data_ptr()
+    assert engine.cache.lengths.tolist()[running] == len(seqs[-1].prompt_ids) - 1
 
 
 def test_a_compiled_padded_step_compiles_two_graphs_for_every_pass_length():

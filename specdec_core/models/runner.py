@@ -102,8 +102,9 @@ class BatchCache:
     def device(self) -> torch.device:
         return self.valid.device
 
-    def reserve(self, rows: int, slots: int) -> None:
-        """An empty cache takes `rows` rows (a pass's batch); slots are added by the passes themselves."""
+    def reserve(self, rows: int, slots: int, rows_before: int = 0) -> None:
+        """An empty cache takes `rows` rows (a pass's batch); slots are added by the passes themselves. Joins
+        concatenate (`append`), so `rows_before` (StaticCache's room for a batch to join into) has no use here."""
         if self.batch_size == 0 and rows:
             self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
             self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)

@@ -33,7 +33,7 @@ from . import step_ops, vnni
 from .attention import attend_rows, row_slots
 from .quant import fused_projections
 from .runner import ModelRunner, additive_mask
-from .static_cache import StaticCache
+from .static_cache import StaticCache, blocks
 
 log = logging.getLogger("specdec")
 
@@ -41,6 +41,9 @@ FAMILIES = ("llama", "qwen2")  # decoders whose layers this pass runs: pre-norm 
 STEPS = ("eager", "static", "compiled")
 # Pass lengths a compiled step is padded to on CUDA (one CUDA graph each): decode, then verify passes.
 PASS_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
+# Longer passes (prefill chunks) are padded to a multiple of this many tokens: on AMX, oneDNN's matmul and SDPA
+# took a 125-token chunk 14% longer than a 128-token one (docs/benchmarks/NOTES.md, the prefix cache).
+PREFILL_ROWS = 16
 
 
 class UnsupportedModel(ValueError):
@@ -50,7 +53,7 @@ class UnsupportedModel(ValueError):
 def decoder_pass(
     model: PreTrainedModel, projections: list[tuple[nn.Module | None, nn.Module | None]], input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor | None, attended: torch.Tensor | None,
-    offsets: torch.Tensor | None, hidden_states: bool, last_logits_only: bool,
+    offsets: torch.Tensor | None, hidden_states: bool, logits_at: int | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """One pass of `input_ids` [B, k] at rotary `positions` [B, k], their keys and values written at `slots`
     [B, k] of each layer's `keys` and `values` [B, Hkv, S, d]. They attend the slots `mask` [B, 1, k, W]
@@ -58,7 +61,8 @@ def decoder_pass(
     (attention.RowSlots), those slots row by row on the row-invariant kernel. `projections` holds each layer's
     fused q/k/v and gate/up layers (quant.fused_projections), or None for its own separate ones. Each layer runs
     as two halves around its attention: the extension's KernelLayers where the pass can take them
-    (step_ops.takes_kernel_layers), else ModuleLayers, with the same numbers. Returns float32 logits and,
+    (step_ops.takes_kernel_layers), else ModuleLayers, with the same numbers. Returns float32 logits (at the
+    pass's token `logits_at` alone, where given: -1 the last), and,
     with `hidden_states`, transformers' hidden states (each layer's input, then the final-normed output)."""
     decoder = model.get_decoder()
     batch, k = input_ids.shape
@@ -84,7 +88,7 @@ def decoder_pass(
             out = attend_rows(query, layer_keys, layer_values, attended, offsets, scaling)
         hidden, delta = layer.mlp(hidden, out, tiles)
     _, hidden = _residual_norm(ops, hidden, delta, decoder.norm)
-    logits = model.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
+    logits = model.get_output_embeddings()(hidden if logits_at is None else hidden[:, logits_at:][:, :1]).float()
     return logits, (*states, hidden) if hidden_states else None
 
 
@@ -180,10 +184,14 @@ class StaticRunner(ModelRunner):
         tree_mask, depths = self._pass_layout(cache, input_ids, tree_mask, depths)
         device = self.device
         short = k <= PASS_LENGTHS[-1]
-        width = next(n for n in PASS_LENGTHS if n >= k) if short and self.padded else k
+        if short:
+            width = next(n for n in PASS_LENGTHS if n >= k) if self.padded else k
+        else:
+            width = k if row_invariant else blocks(k, PREFILL_ROWS)
         input_ids, tree_mask, depths = _padded(input_ids.to(device), tree_mask, depths, width)
         window = (int(cache.lengths.max()) if cache.batch_size else 0) + width
         cache.reserve(batch, window)
+        cache.make_readable(cache.capacity if self.padded else window)  # the slots SDPA reads, as the mask below
         allowed = cache.attend_mask(tree_mask)
         mask = attended = offsets = None
         if row_invariant:
@@ -198,25 +206,30 @@ class StaticRunner(ModelRunner):
         # uncompiled, and cost no graphs of their own.
         compiled = self.compiled and short and row_invariant == self.row_invariant
         run = self._compiled_pass if compiled else self._pass
+        # A compiled graph takes a fixed index (-1), not one per pass length: there padding takes all the logits.
+        logits_at = None if not last_logits_only else -1 if width == k else None if compiled else k - 1
         if compiled:
             for tensor in (*cache.keys, *cache.values):
                 # The head count and size are the model's: were they dynamic, dynamo would tie the pass length to
                 # whichever equals it (k = 2 kv heads) and compile one more graph (a minute on an H200's host).
-                torch._dynamo.mark_static(tensor, 1)
-                torch._dynamo.mark_static(tensor, 3)
+                # A cache's rows are a view of a buffer of more rows (StaticCache), whose sizes dynamo sees too.
+                for shaped in (tensor, tensor._base) if tensor._base is not None else (tensor,):
+                    torch._dynamo.mark_static(shaped, 1)
+                    torch._dynamo.mark_static(shaped, 3)
                 if device.type == "cuda":
                     # The pass writes the cache in place: CUDA graphs replay such writes only into static addresses.
                     torch._dynamo.mark_static_address(tensor)
         with vnni.row_invariant(row_invariant):
             logits, hidden = run(
                 input_ids, cache.lengths[:, None] + depths, cache.write_slots(width), cache.keys, cache.values,
-                mask, attended, offsets, hidden_states, last_logits_only and width == k,  # else padding is last
+                mask, attended, offsets, hidden_states, logits_at,
             )
         cache.pending = k
         if commit:
             cache.commit(torch.ones(batch, k, dtype=torch.bool, device=device))
         if width != k:
-            logits = logits[:, k - 1 : k] if last_logits_only else logits[:, :k]
+            if logits_at is None:
+                logits = logits[:, k - 1 : k] if last_logits_only else logits[:, :k]
             hidden = tuple(h[:, :k] for h in hidden) if hidden else hidden
         return logits, hidden
 
