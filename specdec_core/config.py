@@ -120,11 +120,12 @@ class SpeculationConfig(Section):
 
 
 class PrefillConfig(Section):
-    # By measurement (docs/benchmarks/NOTES.md, "The prefix cache and chunked prefill"; 1.5B int4, 2 threads, bf16 weights
-    # kept): a 2,940-token prompt alone took 8.07 s in chunks of 192 against 8.13 in one pass (10.0 in chunks of
-    # 128); while a stream ran, its gaps between chunks were about 0.5 s at 128 tokens and 0.65 s at 192, where
-    # one pass stopped it for 8.3 s.
-    chunk_tokens: int = Field(192, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks, and the prefix cache keeps whole chunks (smaller bounds the stall, larger prefills faster)")
+    # By measurement (docs/benchmarks/NOTES.md, "The prefix cache and chunked prefill"; 1.5B int4, 2 threads, AMX,
+    # bf16 weights kept; stall-in-place-join*.json): while a 2,940-token prompt was admitted, a running stream's
+    # longest gap was 0.45-0.47 s in chunks of 128 (8x the step) against 0.55-0.61 s at 192 (up to 11x; the goal is
+    # 10x), where one pass stopped it for 7.7-8.3 s; the prompt alone took 8.0-8.6 s at 128, 7.0-7.1 s at 192, and
+    # 7.9-9.3 s in one pass. Each chunk reads every kept weight once, so smaller chunks prefill slower.
+    chunk_tokens: int = Field(128, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks, and the prefix cache keeps whole chunks (smaller bounds the stall, larger prefills faster)")
     cache: bool = Field(True, description="Keep prefilled chunks' keys and values (the prefix cache), so a prompt that begins as an earlier one did prefills only the rest, with the same text as without")
     cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used chunks leave first")
     keep_bf16_weights: bool = Field(True, description="Quantized targets keep a bf16 copy of their weights for passes of 128 tokens and more, 48 on CPUs with AMX, where they are prepacked for oneDNN (2.6 GB for the 1.5B), so that each prefill chunk does not dequantize every weight again (measured: 0.57 against 0.92 s a 256-token chunk)")

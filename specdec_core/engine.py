@@ -122,7 +122,7 @@ class Engine:
 
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
-        unseeded_rule: str = "rejection", chunk_tokens: int = 192, prefix_cache: PrefixCache | None = None,
+        unseeded_rule: str = "rejection", chunk_tokens: int = 128, prefix_cache: PrefixCache | None = None,
         grammar_draft_tokens: int = 16,
     ):
         if unseeded_rule not in SAMPLING_RULES:
