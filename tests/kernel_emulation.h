@@ -1,5 +1,5 @@
-// specdec_core/models/quant_avx512.cpp on a CPU without AVX-512 or AMX, for tests/test_quant.py: SIMDe's
-// portable AVX-512 and a scalar model of the AMX tiles. Slow; it checks the kernel's logic (layouts,
+// specdec_core/models/quant_avx512.cpp on a CPU without AVX-512 or AMX, and quant_avx2.cpp's AVX-VNNI build
+// on one without AVX-VNNI, for tests/test_quant.py: SIMDe's portable AVX-512 and a scalar model of the AMX tiles. Slow; it checks the kernel's logic (layouts,
 // tile shapes, the order of the float epilogue), not its speed.
 #pragma once
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -34,6 +34,8 @@ inline __m256i emulated_cvtepi32_epi16(__m512i v) { return truncate_lanes<int16_
 #define _mm512_reduce_add_epi32 emulated_reduce_add_epi32
 #define _mm512_cvtepi32_epi8 emulated_cvtepi32_epi8
 #define _mm512_cvtepi32_epi16 emulated_cvtepi32_epi16
+// AVX-VNNI's vpdpbusd on ymm is AVX512-VNNI's 256-bit one, VEX-encoded: the same sums.
+#define _mm256_dpbusd_avx_epi32 _mm256_dpbusd_epi32
 
 // The AMX tiles: the same config layout as the hardware's, 8 tiles of up to 16 rows x 64 bytes per
 // thread, and shape checks the hardware would fault on (#UD/#GP) or silently get wrong.

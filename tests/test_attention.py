@@ -138,12 +138,13 @@ def test_every_familys_build_computes_the_same_bits(dtype):
 
 
 def test_the_attention_build_follows_the_kernel_family_where_this_cpu_runs_it(monkeypatch):
-    """SPECDEC_ISA's family chooses the build; where vnni stands an AVX-512 CPU in for an AVX2 one (the emulated
-    kernel's tests in CI), the attention stays on the AVX2 build this CPU runs, not one that would stop it."""
+    """SPECDEC_ISA's family chooses the build (the avxvnni family's is the AVX2 one: its attention multiplies no
+    bytes); where vnni stands an AVX-512 CPU in for an AVX2 one (the emulated kernel's tests in CI), the attention
+    stays on the AVX2 build this CPU runs, not one that would stop it."""
     built = []
     monkeypatch.setattr(attention, "family_extension", lambda family: built.append(family))
     monkeypatch.setattr(attention, "cpu_flags", lambda: {"avx2", "fma"})
-    for family, expected in (("avx512", "avx2"), ("avx2", "avx2"), (None, None)):
+    for family, expected in (("avx512", "avx2"), ("avxvnni", "avx2"), ("avx2", "avx2"), (None, None)):
         monkeypatch.setattr(attention.vnni, "family", lambda family=family: family)
         attention.extension()
         assert built[-1] == expected

@@ -59,9 +59,11 @@ def test_the_avx2_build_leaves_every_extension_past_avx2_off_and_native_leaves_a
     # ggml's options past AVX2 (ggml/CMakeLists.txt), each named off rather than left to ggml's defaults
     assert {f"-DGGML_{option}=OFF" for option in ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16",
                                                   "AMX_TILE", "AMX_INT8", "AMX_BF16")} <= set(avx2)
+    # the avxvnni build: the avx2 one with AVX-VNNI alone switched on
+    assert set(cmake_flags("avxvnni")) ^ set(avx2) == {"-DGGML_AVX_VNNI=ON", "-DGGML_AVX_VNNI=OFF"}
     for flags in (native, avx2):
         assert {"-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"} <= set(flags)
-    with pytest.raises(ValueError, match="one of native, avx2"):
+    with pytest.raises(ValueError, match="one of native, avx2, avxvnni"):
         cmake_flags("avx512")
 
 

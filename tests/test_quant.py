@@ -322,6 +322,9 @@ def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dt
 @pytest.mark.parametrize("flags,asked,chosen,said", [
     ("avx512", None, "avx512", ""),
     ("avx2", None, "avx2", ""),
+    ("avx2 and avx_vnni", None, "avxvnni", ""),
+    ("avx2", "avxvnni", "avx2", "SPECDEC_ISA=avxvnni, but this CPU lacks avx_vnni"),
+    ("avx512", "avxvnni", "avx512", "SPECDEC_ISA=avxvnni, but this CPU lacks avx_vnni"),
     ("avx2", "avx512", "avx2", "SPECDEC_ISA=avx512, but this CPU lacks avx512f"),
     ("avx2", "amx", "avx2", "SPECDEC_ISA=amx, but this CPU lacks avx512f"),
     ("avx512", "avx2", "avx2", ""),
@@ -331,7 +334,8 @@ def test_the_family_is_chosen_from_the_cpu_flags_and_says_why(flags, asked, chos
     """Unset, the widest family the CPU runs; SPECDEC_ISA forces one, and where the CPU lacks it the widest
     it has runs instead, with the missing flags in the log; with no AVX2, torch's kernels."""
     cpu = {"avx512": set(vnni.FAMILIES["avx512"].cpu_flags) | set(vnni.FAMILIES["avx2"].cpu_flags),
-           "avx2": set(vnni.FAMILIES["avx2"].cpu_flags), "none": {"sse4_2"}}[flags]
+           "avx2": set(vnni.FAMILIES["avx2"].cpu_flags), "avx2 and avx_vnni": set(vnni.FAMILIES["avxvnni"].cpu_flags),
+           "none": {"sse4_2"}}[flags]
     monkeypatch.setattr(vnni, "_cpu_flags", lambda: cpu)
     if asked:
         monkeypatch.setenv(vnni.ISA_ENV, asked)
@@ -391,7 +395,7 @@ def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatc
 
 def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch, isa_chosen_anew):
     monkeypatch.setenv(vnni.ISA_ENV, "sse2")
-    with pytest.raises(ValueError, match="avx2, avx512, amx"):
+    with pytest.raises(ValueError, match="avx2, avxvnni, avx512, amx"):
         vnni.isa()
 
 

@@ -13,8 +13,18 @@
 //   with s's sign (|a| <= 127), at most 2 * 128 * 127 = 32,512 a pair, and 128 * the activations'
 //   code sum is added back: sum(q * a) = sum(s * a) + 128 * sum(a).
 // Either way the int32 sums are exact, the same integers as VNNI's and AMX's.
+//
+// Built a second time with SPECDEC_AVX_VNNI (the avxvnni family, for CPUs with AVX-VNNI but no AVX-512
+// VNNI: Intel's Alder Lake and later client cores, its E-core servers) it takes AVX-VNNI's `vpdpbusd` on
+// ymm instead: unsigned codes times signed activation codes, each 4 products added into int32 without
+// saturation, for int4 and int8 alike, one instruction where the above takes two or three.
 #include <torch/extension.h>
+#ifdef SPECDEC_KERNEL_EMULATION
+// tests/kernel_emulation.h: this code on a CPU without AVX-VNNI (slow: it checks the logic).
+#include "kernel_emulation.h"
+#else
 #include <immintrin.h>
+#endif
 
 #include <cstring>
 #include <type_traits>
@@ -87,11 +97,38 @@ namespace {
 
 constexpr int64_t kTokens = 4;  // activation rows per register block: AVX2 has 16 registers
 
+#ifdef SPECDEC_AVX_VNNI
+constexpr bool kVnni = true;
+// One operand's products with one row's 4 activation codes `a` (broadcast), added into the row's int32 sums.
+template <int bits>
+__m256i accumulate(__m256i dot, __m256i op, __m256i, __m256i, __m256i a) { return _mm256_dpbusd_avx_epi32(dot, op, a); }
+// A group's int32 sums from what `accumulate` gathered.
+template <int bits>
+__m256i group_sum(__m256i dot, int32_t) { return dot; }
+#else
+constexpr bool kVnni = false;
+// int4: int16 pair sums (no saturation, header); int8: |s| times the activations with s's sign, widened at once.
+// `magnitude` and `shifted` are |s| and s of the operand (int8 only).
+template <int bits>
+__m256i accumulate(__m256i dot, __m256i op, __m256i magnitude, __m256i shifted, __m256i a) {
+  if constexpr (bits == 4) return _mm256_add_epi16(dot, _mm256_maddubs_epi16(op, a));
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, shifted)), _mm256_set1_epi16(1)));
+}
+template <int bits>
+__m256i group_sum(__m256i dot, int32_t code_sum) {
+  if constexpr (bits == 4) return _mm256_madd_epi16(dot, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(dot, _mm256_set1_epi32(128 * code_sum));
+}
+#endif
+
 // `tokens` (<= kTokens) activation rows starting at t0, one part (8 rows) of one block.
 template <int bits, int tokens, typename Epilogue>
 void block(const PassInputs& in, int64_t t0, int64_t nb, int part, const Epilogue& epilogue) {
+  // `vpdpbusd` chains on its own sums: a pass of few rows splits each row's eight into several independent
+  // chains, so that they do not wait on its latency (integer sums: the split changes nothing).
+  constexpr int chains = kVnni && tokens < 4 ? 4 / tokens : 1;
   const int64_t groups = in.k / kGroup, col = nb * kRows + part * kLanes;
-  const __m256i ones = _mm256_set1_epi16(1), top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[tokens];
   for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
   const uint8_t* w = in.w + nb * groups * group_bytes<bits>();
@@ -100,27 +137,22 @@ void block(const PassInputs& in, int64_t t0, int64_t nb, int part, const Epilogu
     if (part == 0) prefetch_group<bits>(w, sm);  // the second part reads the same lines
     __m256i op[8];
     Simd::operands<bits>(w, part, op);
-    __m256i dot[tokens];
-    for (int t = 0; t < tokens; ++t) dot[t] = _mm256_setzero_si256();
+    __m256i dot[tokens][chains];
+    for (int t = 0; t < tokens; ++t)
+      for (int c = 0; c < chains; ++c) dot[t][c] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
       const __m256i shifted = _mm256_xor_si256(op[i], top_bit), magnitude = _mm256_abs_epi8(shifted);  // int8: s, |s|
       for (int t = 0; t < tokens; ++t) {
         int32_t four;
         std::memcpy(&four, in.codes + (t0 + t) * in.k + g * kGroup + 4 * i, 4);
-        const __m256i a = _mm256_set1_epi32(four);
-        if constexpr (bits == 4) {
-          dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(op[i], a));
-        } else {
-          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, shifted));
-          dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
-        }
+        dot[t][i % chains] = accumulate<bits>(dot[t][i % chains], op[i], magnitude, shifted, _mm256_set1_epi32(four));
       }
     }
     const __m256 scale = group_scale(sm, part), min = group_min(sm, part);
     for (int t = 0; t < tokens; ++t) {
-      const __m256i sum = bits == 4 ? _mm256_madd_epi16(dot[t], ones)
-                                    : _mm256_add_epi32(dot[t], _mm256_set1_epi32(128 * in.code_sums[(t0 + t) * groups + g]));
-      epilogue.add(acc[t], sum, scale, min, t0 + t, g, col);
+      __m256i sum = dot[t][0];
+      for (int c = 1; c < chains; ++c) sum = _mm256_add_epi32(sum, dot[t][c]);
+      epilogue.add(acc[t], group_sum<bits>(sum, in.code_sums[(t0 + t) * groups + g]), scale, min, t0 + t, g, col);
     }
   }
   for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, col);
@@ -128,7 +160,7 @@ void block(const PassInputs& in, int64_t t0, int64_t nb, int part, const Epilogu
 
 template <int bits, typename Epilogue>
 void pass(const PassInputs& in, bool tiles, const Epilogue& epilogue) {
-  TORCH_CHECK(!tiles, "the AVX2 kernel has no AMX path");
+  TORCH_CHECK(!tiles, "the AVX2 kernels have no AMX path");
   at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int part = 0; part < kParts; ++part) {

@@ -4,7 +4,8 @@ chosen at start from the CPU flags.
 
 torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
 in floats too; this one multiplies integer codes, as llama.cpp does: on AVX-512 VNNI with
-`vpdpbusd`, on AVX2 with `vpmaddubsw`, and, where SPECDEC_ISA=amx asks, passes of AMX_MIN_ROWS to
+`vpdpbusd`, on AVX2 with `vpmaddubsw` (or with AVX-VNNI's `vpdpbusd` on ymm where the CPU has it
+and lacks AVX-512 VNNI), and, where SPECDEC_ISA=amx asks, passes of AMX_MIN_ROWS to
 DEQUANTIZE_ROWS - 1 rows (verification, short prefills) with `tdpbsud` on AMX tiles (measured slower
 than VNNI on a Xeon with AMX, so off by default; docs/QUANT.md has the per-layer costs). Every path
 computes bit-identical results, so a row's result never depends on the pass, nor on the CPU.
@@ -54,17 +55,20 @@ FAMILIES = {
     "avx512": KernelFamily("specdec_avx512", "AVX-512 VNNI", _HERE / "quant_avx512.cpp",
                            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
                            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", *NO_CONTRACTION)),
+    # quant_avx2.cpp again, on AVX-VNNI's vpdpbusd (ymm): CPUs with it but without AVX-512 VNNI.
+    "avxvnni": KernelFamily("specdec_avxvnni", "AVX-VNNI", _HERE / "quant_avx2.cpp", ("avx2", "fma", "f16c", "avx_vnni"),
+                            ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DSPECDEC_AVX_VNNI", *NO_CONTRACTION)),
     "avx2": KernelFamily("specdec_avx2", "AVX2", _HERE / "quant_avx2.cpp", ("avx2", "fma", "f16c"),
                          ("-mavx2", "-mfma", "-mf16c", *NO_CONTRACTION)),
 }
 AMX_FLAGS = ("amx_tile", "amx_int8")
-# SPECDEC_ISA forces the path of the integer passes: "avx2" or "avx512" (every pass on that family's dot
+# SPECDEC_ISA forces the path of the integer passes: "avx2", "avxvnni" or "avx512" (every pass on that family's dot
 # products), or "amx" (the avx512 family, with passes of AMX_MIN_ROWS rows or more on AMX-INT8 tiles where
 # the CPU has them). Unset, the widest family the CPU runs, without tiles: on a Xeon with AMX (2 threads) the
 # tiles lost to VNNI at every pass of 2 to 512 rows, at 8 rows 1.3-1.9x its time (docs/QUANT.md, "AMX,
 # measured"), because each group of 32 inputs ends in a float epilogue.
 ISA_ENV = "SPECDEC_ISA"
-ISAS = ("avx2", "avx512", "amx")
+ISAS = ("avx2", "avxvnni", "avx512", "amx")
 # From this many rows (a long prompt's prefill) dequantizing the weights to bf16 and multiplying on
 # the CPU's matrix units beats the VNNI dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
 # against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). On a Xeon with AMX, VNNI with 8 rows per

@@ -1,13 +1,14 @@
 """llama.cpp as reference rows in `specdec bench --llama-cpp DIR`: the peer to beat on CPUs.
 
-    python -m specdec_tools.bench.llama_cpp build DIR [--isa native|avx2]    # once: pinned sdist -> DIR/bin/llama-*
+    python -m specdec_tools.bench.llama_cpp build DIR [--isa native|avx2|avxvnni]    # once: pinned sdist -> DIR/bin/llama-*
 
 The tools are built from the llama.cpp source vendored in the llama-cpp-python
 sdist on PyPI (pinned by hash; nothing is installed or committed). GCC 12's
 AMX header drops the tile-config setup, so a native build crashes with SIGILL
 on any batch above one token: AMX is switched off (see ../shared/MODELS.md).
 --isa avx2 builds for AVX2 alone (no AVX-512, AVX-VNNI or AMX), the peer of our
-AVX2 kernel path (SPECDEC_ISA=avx2) when both run on an AVX-512 machine.
+AVX2 kernel path (SPECDEC_ISA=avx2) when both run on an AVX-512 machine;
+--isa avxvnni the same with AVX-VNNI on, the peer of SPECDEC_ISA=avxvnni.
 
 The bench runs them on the registry's own GGUF files (the Q4 weights our
 models are converted from) with the same prompt text, and reads their own
@@ -58,6 +59,8 @@ ISA_FLAGS = {
              "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
              "-DGGML_AMX_BF16=OFF"],
 }
+# AVX2 and AVX-VNNI, the rest off: the peer of our avxvnni family.
+ISA_FLAGS["avxvnni"] = [flag.replace("AVX_VNNI=OFF", "AVX_VNNI=ON") for flag in ISA_FLAGS["avx2"]]
 
 
 def cmake_flags(isa: str) -> list[str]:
