@@ -27,7 +27,7 @@ from .drafters import grammar as grammar_drafts
 from .drafters.base import Drafter, Proposal
 from .grammar import masked
 from .models.runner import BatchCache, ModelRunner
-from .prefix_cache import Block, PrefixCache
+from .prefix_cache import Block, OwnPrefix, PrefixCache
 from .sampling import (
     PositionNoise,
     greedy_tokens,
@@ -101,6 +101,7 @@ class Admission:
     done: int = 0  # tokens of ids in the row so far
     cached: int = 0  # of which the prefix cache gave
     keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of ids' whole chunks
+    blocks: list[Block] = field(default_factory=list)  # the blocks the prefix cache gave
     logits: list[torch.Tensor] = field(default_factory=list)  # each chunk's pass's
     hidden: list[torch.Tensor | None] = field(default_factory=list)  # each block's or chunk's features, when read
 
@@ -191,7 +192,8 @@ class Engine:
         if cache is None or not cache.fits(len(ids), seq.request_id):
             return
         admission.keys = cache.keys(ids, seq.cache_namespace)
-        for block in [] if admission.want_logits else cache.lookup(admission.keys):
+        admission.blocks = [] if admission.want_logits else cache.lookup(admission.keys)
+        for block in admission.blocks:
             admission.row.write_span(block.keys, block.values)
             admission.hidden.append(block.hidden)
         admission.done = admission.cached = seq.cached_tokens = int(admission.row.lengths[0])
@@ -250,13 +252,28 @@ class Engine:
             features = torch.cat(hidden)
         self.cache.append(admission.row)
         if self.drafter:
+            own = self._own_prefix(admission)
             try:
-                self.drafter.add(seq, features)
+                self.drafter.add(seq, features, own)
             except BaseException:
                 # Take the row back: a cache row no sequence owns would break every later step.
                 self.cache.keep_rows(list(range(len(self.seqs))))
                 raise
+            for index, keys_values in own.computed.items() if own else ():
+                self.prefix_cache.attach_own(admission.keys[index], keys_values)
         self.seqs.append(seq)
+
+    def _own_prefix(self, admission: Admission) -> OwnPrefix | None:
+        """What the drafter's own cache takes from the prefix cache: its keys and values of the blocks the prompt
+        found, as far as each has them; None where the drafter has no cache of its own or the prefix cache is off."""
+        if self.prefix_cache is None or not self.drafter.keeps_own_kv:
+            return None
+        cached = []
+        for block in admission.blocks:
+            if block.own is None:
+                break
+            cached.append(block.own)
+        return OwnPrefix(self.chunk_tokens, len(admission.keys), cached)
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Drop sequences from the batch (finished, cancelled or disconnected)."""

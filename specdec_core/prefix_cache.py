@@ -13,6 +13,11 @@ request's text is the same with the cache on or off, bit for bit. Keys and value
 wrote are computed another way (our int8 kernel and the row-invariant attention, one row at a time) and
 never enter the cache; neither does a chunk's partial tail, whose pass is shorter than a full chunk's.
 
+A drafter with a cache of its own (a draft model) keeps its keys and values of a block's chunk with the block
+(`OwnPrefix`, `attach_own`), so that a conversation's next turn does not prefill its history on the draft
+model either. These need not be a cold prefill's numbers: a draft changes how fast the text comes, never the
+text (the acceptance rule), so the draft model prefills what is new in one pass, as it did uncached.
+
 A hit copies its blocks into the row's own cache (a 2,000-token prefix of the 1.5B target is 57 MB, a few
 ms), so the attention keeps one contiguous cache per row, and a running row never depends on a block:
 eviction is least recently used over all blocks, the deepest first.
@@ -23,25 +28,43 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger("specdec")
 
 
+KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys and values [L, Hkv, chunk, d] of every layer
+
+
 @dataclass
 class Block:
-    """One chunk of a prefix: its keys and values [L, Hkv, chunk, d] and, for drafters that read the target's
-    features, its final-normed hidden states [chunk, H]."""
+    """One chunk of a prefix: its keys and values [L, Hkv, chunk, d], for drafters that read the target's
+    features its final-normed hidden states [chunk, H], and for drafters with a cache of their own (a draft
+    model) their keys and values of the chunk, once one has computed them."""
 
     keys: torch.Tensor
     values: torch.Tensor
     hidden: torch.Tensor | None
+    own: KeysValues | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nelement() * t.element_size() for t in (self.keys, self.values, self.hidden) if t is not None)
+        tensors = (self.keys, self.values, self.hidden, *(self.own or ()))
+        return sum(t.nelement() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class OwnPrefix:
+    """What a drafter with a cache of its own gets of a prompt and gives back: its keys and values of the prompt's
+    first whole chunks from the cache (`cached`, in order), and those of later whole chunks (`computed`, by chunk
+    index, up to `chunks`) once it has prefilled them, for the cache to keep."""
+
+    chunk_tokens: int
+    chunks: int
+    cached: list[KeysValues]
+    computed: dict[int, KeysValues] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,8 +119,9 @@ class PrefixCache:
 
     def restore(self, snapshot: tuple[OrderedDict[bytes, Block], int]) -> None:
         """Hold again just the blocks a `snapshot` held (the bench replays a request as if for the first time)."""
-        blocks, self.bytes = snapshot
+        blocks, _ = snapshot
         self.blocks = OrderedDict(blocks)
+        self.bytes = sum(block.nbytes for block in self.blocks.values())  # a drafter's own part may have come since
 
     def clear(self) -> None:
         """Every block dropped, as in a server just started (the counts go on)."""
@@ -109,12 +133,29 @@ class PrefixCache:
         if key in self.blocks:
             self.blocks.move_to_end(key)
             return
-        while self.bytes + block.nbytes > self.budget_bytes:
+        self._evict_for(block.nbytes)
+        self.blocks[key] = block
+        self.bytes += block.nbytes
+
+    def attach_own(self, key: bytes, own: KeysValues) -> None:
+        """Keep a drafter's own keys and values of a chunk with its block, where the cache still holds the block."""
+        block = self.blocks.get(key)
+        added = sum(t.nelement() * t.element_size() for t in own)
+        if block is None or block.own is not None or block.nbytes + added > self.budget_bytes:
+            return
+        self.blocks.pop(key)  # out of reach of its own eviction while room is made
+        self.bytes -= block.nbytes
+        self._evict_for(block.nbytes + added)
+        block.own = own
+        self.blocks[key] = block
+        self.bytes += block.nbytes
+
+    def _evict_for(self, nbytes: int) -> None:
+        """Evict the least recently used blocks until `nbytes` more fit in the budget."""
+        while self.blocks and self.bytes + nbytes > self.budget_bytes:
             _, old = self.blocks.popitem(last=False)
             self.bytes -= old.nbytes
             self.counts.evicted_blocks += 1
-        self.blocks[key] = block
-        self.bytes += block.nbytes
 
     def fits(self, tokens: int, request_id: str) -> bool:
         """Whether a prompt of `tokens` tokens can be cached whole; the log says once when one cannot."""

@@ -18,7 +18,7 @@ from specdec_core.engine import Engine
 from specdec_core.models.loading import eos_ids
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.static_runner import StaticRunner
-from specdec_core.prefix_cache import PrefixCache
+from specdec_core.prefix_cache import Block, PrefixCache
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -98,6 +98,43 @@ def test_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
     # A second turn finds every whole chunk its first turn prefilled (all but the first turn's last token).
     assert [seq.cached_tokens for seq in second] == [(len(seq.prompt_ids) - 1) // CHUNK * CHUNK for seq in first]
     assert drafter is None or sum(seq.stats.draft_tokens for seq in second) > 0
+
+
+def test_the_draft_models_own_keys_and_values_are_kept_with_the_blocks(runner, monkeypatch):
+    """A draft model's prefill of a second turn takes its own keys and values of the chunks the first turn
+    prefilled from their blocks, and passes only the rest on the draft model."""
+    drafter = DRAFTERS["draft-model"](runner)
+    passes = []  # the widths of the draft model's prefill passes (a fresh row's, not the batch's)
+    forward = drafter.runner.forward
+
+    def recording(cache, input_ids, *args, **kwargs):
+        if cache is not drafter.cache:
+            passes.append(input_ids.shape[1])
+        return forward(cache, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(drafter.runner, "forward", recording)
+    engine = engine_of(runner, drafter)
+    texts, first, second = chat(engine, runner, "greedy")
+    assert all(block.own is not None for block in engine.prefix_cache.blocks.values())
+    assert sorted(passes) == sorted(len(seq.prompt_ids) - 1 - seq.cached_tokens for seq in first + second)
+    assert all(seq.cached_tokens > 0 for seq in second) and sum(seq.stats.accepted_tokens for seq in second) > 0
+    assert texts == chat(engine_of(runner, budget=None), runner, "greedy")[0]
+
+
+def test_a_drafters_own_part_stays_within_the_budget():
+    keys = torch.zeros(2, 1, CHUNK, 4)
+    block_bytes = 2 * keys.nelement() * keys.element_size()
+    cache = PrefixCache(CHUNK, 2 * block_bytes + block_bytes // 2, block_bytes)
+    snapshot = cache.snapshot()
+    for key in (b"a", b"b"):
+        cache.insert(key, Block(keys.clone(), keys.clone(), None))
+    cache.attach_own(b"a", (keys.clone(), keys.clone()))  # a's own part takes the room of b, not a's own
+    assert list(cache.blocks) == [b"a"] and cache.bytes == 2 * block_bytes and cache.counts.evicted_blocks == 1
+    cache.insert(b"c", Block(keys.clone(), keys.clone(), None))
+    cache.attach_own(b"c", (torch.zeros(2, 1, 3 * CHUNK, 4), keys.clone()))  # more than the whole budget: not kept
+    assert list(cache.blocks) == [b"c"] and cache.blocks[b"c"].own is None and cache.bytes == block_bytes
+    cache.restore(snapshot)
+    assert not cache.blocks and cache.bytes == 0
 
 
 def test_negative_control_a_perturbed_block_changes_the_text(runner):

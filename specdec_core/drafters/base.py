@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.runner import BatchCache
+from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
 
 
@@ -67,12 +68,15 @@ class Drafter(ABC):
     # It drafts from the text alone (no state of the committed tokens), so `propose` takes `pending`: per row,
     # tokens drafted before its own (a grammar's forced continuation) to draft after.
     drafts_from_text = False
+    keeps_own_kv = False  # it has a cache of its own whose keys and values the prefix cache keeps (add's `own`)
 
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
-        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, H] are its prefilled tokens'."""
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
+        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, H] are its prefilled tokens'.
+        `own` (where it keeps_own_kv and the prefix cache is on): its own keys and values of the prompt's first
+        whole chunks, to take instead of prefilling them, and where it leaves those of the later whole chunks."""
 
     def remove(self, keep: list[int]) -> None:
         """Only the rows at indices `keep` stay, in that order."""

@@ -35,6 +35,7 @@ from ..sampling import (
     sample,
     to_probs,
 )
+from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 
@@ -125,8 +126,22 @@ class DraftModelDrafter(ModelDrafter):
         self.runner = runner
         self.cache = runner.new_cache()
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
-        row, _, _ = self.runner.prefill(seq.tokens[:-1])
+    keeps_own_kv = True
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
+        """Prefill the prompt on the draft model, but for the whole chunks `own` has from the prefix cache; what it
+        prefills of the later whole chunks goes back in `own`."""
+        ids = seq.tokens[:-1]
+        row = self.runner.new_cache()
+        row.reserve(1, len(ids))
+        for keys, values in own.cached if own else ():
+            row.write_span(keys, values)
+        done = int(row.lengths[0])
+        if done < len(ids):
+            self.runner.forward(row, torch.tensor([ids[done:]], device=self.runner.device), commit=True, last_logits_only=True)
+        if own:
+            size = own.chunk_tokens
+            own.computed = {i: row.read_span(i * size, (i + 1) * size) for i in range(len(own.cached), own.chunks)}
         self.cache.append(row)
 
     def remove(self, keep: list[int]) -> None:

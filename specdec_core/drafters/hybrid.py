@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.runner import BatchCache
+from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 from .ngram import NgramDrafter
@@ -47,10 +48,14 @@ class HybridDrafter(Drafter):
     def attach(self, cache: BatchCache) -> None:
         self.model.attach(cache)
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None) -> None:
+    @property
+    def keeps_own_kv(self) -> bool:
+        return self.model.keeps_own_kv
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
         self.lookup.add(seq, features)
         try:
-            self.model.add(seq, features)
+            self.model.add(seq, features, own)
         except BaseException:
             self.lookup.remove(list(range(self._rows)))  # the engine takes the row back: so must the lookup
             raise
