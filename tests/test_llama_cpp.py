@@ -116,7 +116,7 @@ class Handler(BaseHTTPRequestHandler):
         prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
         new = len(prompt) - len(os.path.commonprefix([last[0], prompt]))
         last[0] = prompt
-        timings = {"prompt_n": new, "prompt_ms": 2.0 * new, "predicted_n": 8, "predicted_ms": 400.0}
+        timings = {"prompt_n": new, "cache_n": len(prompt) - new, "prompt_ms": 2.0 * new, "predicted_n": 8, "predicted_ms": 400.0}
         data = json.dumps({"content": "def reverse(s): return s[::-1]", "timings": timings}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
@@ -169,6 +169,7 @@ def test_llama_server_keeps_its_prompt_cache_across_requests_until_forgotten(tmp
         again = llama.generate(history + "and more", 8, "server")
         assert first.prefill_s == pytest.approx(2 * len(history) / 1000) and again.prefill_s == pytest.approx(0.016)
         assert (again.new_tokens, again.decode_s, again.text) == (8, 0.4, "def reverse(s): return s[::-1]")
+        assert (first.cached_tokens, again.cached_tokens) == (0, len(history))  # its timings' cache_n
         llama.forget()  # a new server: its prompt cache is empty
         assert llama.generate(history, 8, "server").prefill_s == pytest.approx(first.prefill_s)
     finally:

@@ -163,9 +163,11 @@ def test_a_method_run_twice_in_a_block_misses_the_cache_its_first_run_filled():
     runs = run_block(bench, methods, [long], 2, 0, plain_every=1)
     cache = bench.engines["plain"].prefix_cache
     assert [run.method for run in runs].count("plain") == 2
-    assert cache.blocks and cache.counts.hit_tokens == 0
-    run_block(bench, methods, [Prompt("q2", "c", long.text + " and once more")], 2, 1, plain_every=1)
+    assert cache.blocks and cache.counts.hit_tokens == 0 and all(run.cached_tokens == 0 for run in runs)
+    runs = run_block(bench, methods, [Prompt("q2", "c", long.text + " and once more")], 2, 1, plain_every=1)
     assert cache.counts.hit_tokens > 0
+    # each run reports what the cache gave it (records and the report's table sum them)
+    assert {run.cached_tokens for run in runs if run.method == "plain"} == {cache.counts.hit_tokens // 2}
 
 
 class RecordingBench:

@@ -167,6 +167,7 @@ class Timing:
     text: str
     drafted: int | None = None
     accepted: int | None = None
+    cached_tokens: int | None = None  # prompt tokens llama-server took from its prompt cache (its other tools: None)
 
 
 _EVAL = re.compile(r"\b(prompt eval|eval) time\s*=\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)")
@@ -265,7 +266,8 @@ class LlamaCpp:
         with urllib.request.urlopen(post, timeout=3600) as response:
             answer = json.loads(response.read())
         timings = answer["timings"]
-        return Timing(timings["predicted_n"], timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000, answer["content"])
+        return Timing(timings["predicted_n"], timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000, answer["content"],
+                      cached_tokens=timings.get("cache_n"))
 
     def generate(self, prompt: str, max_tokens: int, kind: str, context: int = 4096) -> Timing:
         """One greedy generation; `context` tokens of KV cache (prompt, output and drafts must fit)."""

@@ -74,6 +74,7 @@ def _time_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[str]
             fmt(r["verify_s"], ".1f"), fmt(other, ".1f"), fmt(r["draft_s"] / r["verify_s"] if r["verify_s"] else None),
             str(r["steps"]), fmt(1000 * r["verify_s"] / r["steps"] if r["steps"] else None, ".0f"),
             fmt(r["new_tokens"] / r["steps"] if r["steps"] else None), fmt(r.get("first_token_s"), ".2f"),
+            fmt(r.get("cached_tokens"), "d"),
         ])
     return rows
 
@@ -81,6 +82,7 @@ def _time_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[str]
 TIME_HEADER = [
     "wall", "prefill", "draft", "verify", "other (sampling, bookkeeping)", "draft / verify",
     "steps", "ms per verify pass", "tokens per step", "time to first token (median, s)",
+    "prompt tokens from a prefix cache",
 ]
 
 

@@ -51,6 +51,7 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
         "wall_s": sum(run.wall_s for run in runs),
         "prefill_s": sum(run.prefill_s for run in engine_runs) if engine_runs else None,
         "first_token_s": _median([run.first_token_s for run in engine_runs if run.first_token_s is not None]),
+        "cached_tokens": _sum_reported([run.cached_tokens for run in runs]),
         "draft_s": sum(run.draft_s for run in engine_runs) if engine_runs else None,
         "draft_positions": sum(run.draft_positions for run in engine_runs) if engine_runs else None,
         "verify_s": sum(run.verify_s for run in engine_runs) if engine_runs else None,
@@ -61,6 +62,12 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _sum_reported(values: list[int | None]) -> int | None:
+    """The sum of what was reported; None where nothing was."""
+    reported = [v for v in values if v is not None]
+    return sum(reported) if reported else None
 
 
 def _sum_lists(lists: Sequence[list[int]]) -> list[int]:
@@ -153,6 +160,7 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
             "wall_s": run.wall_s,
             "prefill_s": run.prefill_s,
             "first_token_s": run.first_token_s,
+            "cached_tokens": run.cached_tokens,
             "draft_s": run.draft_s,
             "verify_s": run.verify_s,
             "steps": run.steps,

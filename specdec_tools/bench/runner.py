@@ -132,6 +132,7 @@ class Run:
     wall_s: float  # prefill plus decoding, as a client would wait
     prefill_s: float | None = None  # None for transformers' generate, which does not split it out
     first_token_s: float | None = None  # from the start to the first token, as a client waits for it (ours only)
+    cached_tokens: int | None = None  # prompt tokens a prefix cache gave, over the block (None: the tool says not)
     draft_s: float = 0.0
     draft_positions: int = 0  # draft tokens a step's drafting produced for its longest row, summed over steps
     verify_s: float = 0.0
@@ -297,6 +298,7 @@ class Bench:
             run.grammar_draft_tokens += stats.grammar_draft_tokens
             run.grammar_accepted_tokens += stats.grammar_accepted_tokens
         run.finish_reasons = [seq.finish_reason for seq in seqs]
+        run.cached_tokens = sum(seq.cached_tokens for seq in seqs)
         return run
 
     def _run_hf(self, method: Method, prompts: list[Prompt], max_tokens: int, block: int) -> Run:
@@ -341,6 +343,7 @@ class Bench:
         output = [t for t in self.target.tokenizer.encode(timing.text, add_special_tokens=False) if t not in eos]
         run = Run(method.label, 1, block, prompts, [output], timing.prefill_s + timing.decode_s, timing.prefill_s)
         run.draft_tokens, run.accepted_tokens = timing.drafted or 0, timing.accepted or 0
+        run.cached_tokens = timing.cached_tokens
         return run
 
 
