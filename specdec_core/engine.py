@@ -17,7 +17,7 @@ controller told what was kept).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +102,12 @@ class Admission:
     cached: int = 0  # of which the prefix cache gave
     keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of ids' whole chunks
     blocks: list[Block] = field(default_factory=list)  # the blocks the prefix cache gave
+    # The drafter's own prefill (a draft model's), a pass a call once the target's is in; what it gives the cache
+    # and the row it made.
+    drafting: Generator[None, None, BatchCache | None] | None = None
+    own: OwnPrefix | None = None
+    draft_row: BatchCache | None = None
+    drafted: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)  # each chunk's pass's
     hidden: list[torch.Tensor | None] = field(default_factory=list)  # each block's or chunk's features, when read
 
@@ -201,29 +207,51 @@ class Engine:
         cache.counts.miss_tokens += len(ids) - admission.cached
 
     def advance(self, admission: Admission) -> bool:
-        """Prefill the admission's next chunk (its cached prefix first); once its prompt is all in, it joins the
-        batch: at the next call where rows are running, so that they step between its last chunk and its join (and
-        the first pass that carries it). True when it has joined."""
+        """Prefill the admission's next chunk (its cached prefix first), then the drafter's own prefill a pass at a
+        time; once both are in, it joins the batch: at the next call where rows are running, so that they step
+        between its last pass and its join (and the first pass that carries it). True when it has joined."""
         if not admission.looked_up:
             self._take_cached(admission)
-        ids, start = admission.ids, admission.done
-        end = min(start + self.chunk_tokens, len(ids))
-        if end > start:
-            chunk = torch.tensor([ids[start:end]], device=self.target.device)
-            logits, hidden = self.target.forward(
-                admission.row, chunk, commit=True, last_logits_only=not admission.want_logits,
-                hidden_states=self.wants_features,
-            )
-            admission.logits.append(logits[0])
-            if hidden is not None:
-                admission.hidden.append(hidden[-1][0])
-            admission.done = end
-            self.chunks += 1
-            self._keep_chunk(admission, start, end)
-        if admission.done < len(ids) or (end > start and self.seqs):
+        ran = self._prefill_chunk(admission)
+        if admission.done == len(admission.ids) and not (ran and self.seqs):
+            ran = self._prefill_draft(admission)
+        if admission.done < len(admission.ids) or not admission.drafted or (ran and self.seqs):
             return False
         self._join(admission)
         return True
+
+    def _prefill_chunk(self, admission: Admission) -> bool:
+        """The target's next chunk of the admission's prompt; whether there was one."""
+        ids, start = admission.ids, admission.done
+        end = min(start + self.chunk_tokens, len(ids))
+        if end == start:
+            return False
+        chunk = torch.tensor([ids[start:end]], device=self.target.device)
+        logits, hidden = self.target.forward(
+            admission.row, chunk, commit=True, last_logits_only=not admission.want_logits, hidden_states=self.wants_features,
+        )
+        admission.logits.append(logits[0])
+        if hidden is not None:
+            admission.hidden.append(hidden[-1][0])
+        admission.done = end
+        self.chunks += 1
+        self._keep_chunk(admission, start, end)
+        return True
+
+    def _prefill_draft(self, admission: Admission) -> bool:
+        """The drafter's next pass of its own prefill of the admission; whether there was one."""
+        if admission.drafted or not self.drafter:
+            admission.drafted = True
+            return False
+        if admission.drafting is None:
+            admission.own = self._own_prefix(admission)
+            admission.drafting = self.drafter.prefill(admission.seq, admission.own, self.chunk_tokens)
+        try:
+            next(admission.drafting)
+            return True
+        except StopIteration as done:
+            admission.draft_row, admission.drafted = done.value, True
+            return False
 
     def _keep_chunk(self, admission: Admission, start: int, end: int) -> None:
         """Put a whole chunk just prefilled into the prefix cache (a prompt's partial last chunk stays out)."""
@@ -252,14 +280,13 @@ class Engine:
             features = torch.cat(hidden)
         self.cache.append(admission.row)
         if self.drafter:
-            own = self._own_prefix(admission)
             try:
-                self.drafter.add(seq, features, own)
+                self.drafter.add(seq, features, admission.draft_row)
             except BaseException:
                 # Take the row back: a cache row no sequence owns would break every later step.
                 self.cache.keep_rows(list(range(len(self.seqs))))
                 raise
-            for index, keys_values in own.computed.items() if own else ():
+            for index, keys_values in admission.own.computed.items() if admission.own else ():
                 self.prefix_cache.attach_own(admission.keys[index], keys_values)
         self.seqs.append(seq)
 

@@ -116,9 +116,39 @@ def test_the_draft_models_own_keys_and_values_are_kept_with_the_blocks(runner, m
     engine = engine_of(runner, drafter)
     texts, first, second = chat(engine, runner, "greedy")
     assert all(block.own is not None for block in engine.prefix_cache.blocks.values())
-    assert sorted(passes) == sorted(len(seq.prompt_ids) - 1 - seq.cached_tokens for seq in first + second)
+    assert sum(passes) == sum(len(seq.prompt_ids) - 1 - seq.cached_tokens for seq in first + second)
+    assert max(passes) <= CHUNK  # in passes of a chunk at most (the next test: with steps between)
     assert all(seq.cached_tokens > 0 for seq in second) and sum(seq.stats.accepted_tokens for seq in second) > 0
     assert texts == chat(engine_of(runner, budget=None), runner, "greedy")[0]
+
+
+def test_a_draft_models_prefill_runs_a_pass_a_round_with_the_running_rows_steps_between(runner, monkeypatch):
+    """Counted in passes, not time: a long prompt joining a running batch is prefilled on the draft model too in
+    passes of a chunk, one a round, as the target's chunks are, so a running row steps between any two."""
+    drafter = DRAFTERS["draft-model"](runner)
+    events = []
+    forward = drafter.runner.forward
+
+    def recording(cache, input_ids, *args, **kwargs):
+        events.append("draft prefill" if cache is not drafter.cache else "draft step")
+        return forward(cache, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(drafter.runner, "forward", recording)
+    engine = engine_of(runner, drafter, budget=None)
+    no_eos = {token: -100.0 for token in eos_ids(runner)}
+    engine.add(Sequence("running", runner.tokenizer.encode("x"), SamplingParams(temperature=0, logit_bias=no_eos), 400))
+    prompt = runner.tokenizer.encode(SYSTEM)
+    admission = engine.begin(Sequence("long", prompt, SamplingParams(temperature=0), 2))
+    events.clear()
+    rounds = 0
+    while not engine.advance(admission):
+        engine.step()
+        events.append("step")
+        rounds += 1
+    prefills = [i for i, event in enumerate(events) if event == "draft prefill"]
+    assert len(prefills) == -(-(len(prompt) - 1) // CHUNK)
+    assert all("step" in events[a:b] for a, b in zip(prefills, prefills[1:]))
+    assert rounds >= 2 * len(prefills)  # the target's chunks, then the draft model's passes
 
 
 def test_a_drafters_own_part_stays_within_the_budget():

@@ -409,7 +409,7 @@ def test_a_failed_prefill_fails_only_its_request(served, monkeypatch):
     drafter = served.app.state.scheduler.engine.drafter
     real_add = drafter.add
 
-    def failing_add(seq, features=None):
+    def failing_add(seq, features=None, row=None):
         monkeypatch.setattr(drafter, "add", real_add)  # fail once, after the target took the row
         raise RuntimeError("injected prefill failure")
 

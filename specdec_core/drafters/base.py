@@ -10,7 +10,7 @@ last hidden states: Medusa, EAGLE) get them for every token the target commits.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +73,17 @@ class Drafter(ABC):
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
-        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, H] are its prefilled tokens'.
-        `own` (where it keeps_own_kv and the prefix cache is on): its own keys and values of the prompt's first
-        whole chunks, to take instead of prefilling them, and where it leaves those of the later whole chunks."""
+    def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache | None]:
+        """Its own prefill of a sequence about to join (drafters with a cache of their own), a pass of at most
+        `chunk_tokens` tokens per next(), so that the engine steps the running rows between them; returns the
+        prefilled row for `add`. `own` (where the prefix cache is on): its own keys and values of the prompt's
+        first whole chunks, to take instead of prefilling them, and where it leaves those of the later ones."""
+        yield from ()
+        return None
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
+        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, H] are its prefilled tokens',
+        `row` what its `prefill` returned."""
 
     def remove(self, keep: list[int]) -> None:
         """Only the rows at indices `keep` stay, in that order."""
@@ -94,6 +101,15 @@ class Drafter(ABC):
         """The target kept nodes paths[i] of row i's proposal, root to leaf (a chain's first len(paths[i]));
         seqs are already extended. features[i] [len(paths[i]) + 1, H] are those of the tokens this step
         committed to the cache: the row's previous last token, then each kept node (None unless uses_features)."""
+
+
+def run_to_end(passes: Generator[None, None, BatchCache | None]) -> BatchCache | None:
+    """Every pass of a drafter's `prefill` at once; what it returns."""
+    while True:
+        try:
+            next(passes)
+        except StopIteration as done:
+            return done.value
 
 
 # What a drafter's from_config (drafters/registry.py) gets to make another drafter by its registry name, for the

@@ -20,6 +20,7 @@ step; each proposal first catches up on those.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,7 @@ from ..sampling import (
 )
 from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
-from .base import Drafter, DrafterBuilder, Proposal
+from .base import Drafter, DrafterBuilder, Proposal, run_to_end
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -128,20 +129,26 @@ class DraftModelDrafter(ModelDrafter):
 
     keeps_own_kv = True
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
-        """Prefill the prompt on the draft model, but for the whole chunks `own` has from the prefix cache; what it
-        prefills of the later whole chunks goes back in `own`."""
+    def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache]:
+        """The prompt on the draft model in passes of chunk_tokens, but for the whole chunks `own` has from the
+        prefix cache; what it prefills of the later whole chunks goes back in `own`."""
         ids = seq.tokens[:-1]
         row = self.runner.new_cache()
         row.reserve(1, len(ids))
         for keys, values in own.cached if own else ():
             row.write_span(keys, values)
-        done = int(row.lengths[0])
-        if done < len(ids):
-            self.runner.forward(row, torch.tensor([ids[done:]], device=self.runner.device), commit=True, last_logits_only=True)
+        for start in range(int(row.lengths[0]), len(ids), chunk_tokens):
+            chunk = torch.tensor([ids[start : start + chunk_tokens]], device=self.runner.device)
+            self.runner.forward(row, chunk, commit=True, last_logits_only=True)
+            yield
         if own:
             size = own.chunk_tokens
             own.computed = {i: row.read_span(i * size, (i + 1) * size) for i in range(len(own.cached), own.chunks)}
+        return row
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
+        if row is None:  # not prefilled by the engine's rounds: all of it now
+            row = run_to_end(self.prefill(seq, None, max(len(seq.tokens), 1)))
         self.cache.append(row)
 
     def remove(self, keep: list[int]) -> None:

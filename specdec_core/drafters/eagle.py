@@ -24,7 +24,6 @@ import torch
 from ..models.artifacts import EAGLE
 from ..models.eagle_net import EagleNet, load_eagle
 from ..models.runner import BatchCache
-from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 
@@ -47,7 +46,7 @@ class EagleDrafter(Drafter):
         self.cache = BatchCache.empty(device)
         self.roots = torch.zeros(0, net.hidden_size, dtype=net.fc.weight.dtype, device=device)
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
         device = self.cache.device
         row = BatchCache.empty(device)
         n = len(features)

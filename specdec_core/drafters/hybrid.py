@@ -15,6 +15,7 @@ state (layer skip) has nothing to roll back.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,10 +53,13 @@ class HybridDrafter(Drafter):
     def keeps_own_kv(self) -> bool:
         return self.model.keeps_own_kv
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
+    def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache | None]:
+        return self.model.prefill(seq, own, chunk_tokens)
+
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
         self.lookup.add(seq, features)
         try:
-            self.model.add(seq, features, own)
+            self.model.add(seq, features, row)
         except BaseException:
             self.lookup.remove(list(range(self._rows)))  # the engine takes the row back: so must the lookup
             raise

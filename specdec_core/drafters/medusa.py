@@ -28,9 +28,8 @@ from ..models.medusa_heads import (
     load_heads,
     output_layer,
 )
-from ..models.runner import ModelRunner
+from ..models.runner import BatchCache, ModelRunner
 from ..models.vocab import ReducedVocab
-from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
 
@@ -84,7 +83,7 @@ class MedusaDrafter(Drafter):
         self.features = torch.zeros(0, hidden, dtype=target.dtype, device=target.device)  # [B, H] latest committed
         self.known = torch.zeros(0, dtype=torch.bool, device=target.device)  # [B]: a one-token prompt has none yet
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
         known = features is not None and len(features) > 0
         latest = features[-1:] if known else self.features.new_zeros(1, self.features.shape[1])
         self.features = torch.cat([self.features, latest.to(self.features.dtype)])

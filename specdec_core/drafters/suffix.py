@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..prefix_cache import OwnPrefix
+from ..models.runner import BatchCache
 from ..sequence import Sequence
 from ..tree import continuation_tree
 from .base import Drafter, DrafterBuilder, Proposal
@@ -160,7 +160,7 @@ class SuffixDrafter(Drafter):
         # Rows under a grammar: their prompts as text, and without thousands separators, by id(seq).
         self.prompt_texts: dict[int, tuple[str, str]] = {}
 
-    def add(self, seq: Sequence, features: torch.Tensor | None = None, own: OwnPrefix | None = None) -> None:
+    def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
         self.rows.append(seq)
 
     def forget(self) -> None:
