@@ -35,7 +35,8 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     controller = Controller(gamma_max=spec.gamma_max, fixed_gamma=spec.gamma, max_speculative_batch=spec.max_speculative_batch)
     chosen = build_drafter(config, target, drafter)
     prefill = config.prefill
-    keep_dequantized(target.model, prefill.keep_bf16_weights)
+    for model in [target.model, *(chosen.own_models() if chosen else ())]:
+        keep_dequantized(model, prefill.keep_bf16_weights)
     cache = None
     if prefill.cache:
         block_bytes = prefill.chunk_tokens * target.token_bytes(bool(chosen and chosen.uses_features))

@@ -24,12 +24,13 @@ import torch
 
 from .control import Controller
 from .drafters import grammar as grammar_drafts
-from .drafters.base import Drafter, Proposal
+from .drafters.base import Drafter, Proposal, run_to_end
 from .grammar import masked
 from .models.runner import BatchCache, ModelRunner
 from .prefix_cache import Block, OwnPrefix, PrefixCache
 from .sampling import (
     PositionNoise,
+    SamplingParams,
     greedy_tokens,
     keyed_tokens,
     make_generator,
@@ -174,6 +175,8 @@ class Engine:
         row.reserve(1, tokens)
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.target.device)
         self.target.forward(row, ids, commit=True, last_logits_only=True)
+        if self.drafter:  # a draft model's prefill passes keep their weights too
+            run_to_end(self.drafter.prefill(Sequence("warm-up", [0] * (tokens + 1), SamplingParams(), 1), None, tokens))
 
     def begin(self, seq: Sequence, prompt_logits: bool = False, joining_before: int = 0) -> Admission:
         """Start a new sequence's prefill; `advance` prefills it, a chunk a call. A request for the prompt's logits
@@ -207,14 +210,13 @@ class Engine:
         cache.counts.miss_tokens += len(ids) - admission.cached
 
     def advance(self, admission: Admission) -> bool:
-        """Prefill the admission's next chunk (its cached prefix first), then the drafter's own prefill a pass at a
-        time; once both are in, it joins the batch: at the next call where rows are running, so that they step
+        """Prefill the admission's next chunk (its cached prefix first), and the drafter's own prefill's next pass;
+        once both are in, it joins the batch: at the next call where rows are running, so that they step
         between its last pass and its join (and the first pass that carries it). True when it has joined."""
         if not admission.looked_up:
             self._take_cached(admission)
         ran = self._prefill_chunk(admission)
-        if admission.done == len(admission.ids) and not (ran and self.seqs):
-            ran = self._prefill_draft(admission)
+        ran = self._prefill_draft(admission) or ran  # the draft model's pass in the same round: it reads ids alone
         if admission.done < len(admission.ids) or not admission.drafted or (ran and self.seqs):
             return False
         self._join(admission)

@@ -218,6 +218,18 @@ def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request():
     assert not engine.seqs and engine.chunks == 0  # nothing of the warm-up's stays
 
 
+def test_a_draft_models_prefill_passes_keep_their_weights_from_the_warm_up():
+    config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
+                                    "speculation": {"drafter": "draft-model", "draft_model": TINY}})
+    engine = build_engine(config)
+    (draft,) = engine.drafter.own_models()
+    layers = [layer for layer in draft.modules() if isinstance(layer, VnniLinear)]
+    assert layers and all(layer.keeps_dequantized and layer._dequantized is None for layer in layers)
+    engine.warm_up()
+    assert sum(layer._dequantized is not None for layer in layers) == len(layers) - 1
+    assert not engine.drafter.cache.batch_size  # the warm-up's row is not the drafter's
+
+
 def test_layers_that_cannot_be_fused_are_left_alone():
     torch.manual_seed(7)
     floats = [nn.Linear(64, 32) for _ in range(2)]

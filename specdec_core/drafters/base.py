@@ -73,6 +73,11 @@ class Drafter(ABC):
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
 
+    def own_models(self) -> list[torch.nn.Module]:
+        """The models it runs passes of its own on (a draft model): their prefill passes keep their bf16 weights
+        as the target's do (`prefill.keep_bf16_weights`)."""
+        return []
+
     def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache | None]:
         """Its own prefill of a sequence about to join (drafters with a cache of their own), a pass of at most
         `chunk_tokens` tokens per next(), so that the engine steps the running rows between them; returns the

@@ -129,6 +129,9 @@ class DraftModelDrafter(ModelDrafter):
 
     keeps_own_kv = True
 
+    def own_models(self) -> list[torch.nn.Module]:
+        return [self.runner.model]
+
     def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache]:
         """The prompt on the draft model in passes of chunk_tokens, but for the whole chunks `own` has from the
         prefix cache; what it prefills of the later whole chunks goes back in `own`."""

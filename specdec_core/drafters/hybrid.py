@@ -53,6 +53,9 @@ class HybridDrafter(Drafter):
     def keeps_own_kv(self) -> bool:
         return self.model.keeps_own_kv
 
+    def own_models(self) -> list[torch.nn.Module]:
+        return self.model.own_models()
+
     def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache | None]:
         return self.model.prefill(seq, own, chunk_tokens)
 
