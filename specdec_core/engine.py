@@ -24,7 +24,7 @@ import torch
 
 from .control import Controller
 from .drafters import grammar as grammar_drafts
-from .drafters.base import Drafter, Proposal, run_to_end
+from .drafters.base import Drafter, Proposal
 from .grammar import masked
 from .models.runner import BatchCache, ModelRunner
 from .prefix_cache import Block, OwnPrefix, PrefixCache
@@ -103,8 +103,8 @@ class Admission:
     cached: int = 0  # of which the prefix cache gave
     keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of ids' whole chunks
     blocks: list[Block] = field(default_factory=list)  # the blocks the prefix cache gave
-    # The drafter's own prefill (a draft model's), a pass a call once the target's is in; what it gives the cache
-    # and the row it made.
+    # The drafter's own prefill (a draft model's), a pass a call beside the target's chunks; what it gives the
+    # cache and the row it made.
     drafting: Generator[None, None, BatchCache | None] | None = None
     own: OwnPrefix | None = None
     draft_row: BatchCache | None = None
@@ -176,7 +176,8 @@ class Engine:
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.target.device)
         self.target.forward(row, ids, commit=True, last_logits_only=True)
         if self.drafter:  # a draft model's prefill passes keep their weights too
-            run_to_end(self.drafter.prefill(Sequence("warm-up", [0] * (tokens + 1), SamplingParams(), 1), None, tokens))
+            for _ in self.drafter.prefill(Sequence("warm-up", [0] * (tokens + 1), SamplingParams(), 1), None, tokens):
+                pass
 
     def begin(self, seq: Sequence, prompt_logits: bool = False, joining_before: int = 0) -> Admission:
         """Start a new sequence's prefill; `advance` prefills it, a chunk a call. A request for the prompt's logits

@@ -16,7 +16,7 @@ never enter the cache; neither does a chunk's partial tail, whose pass is shorte
 A drafter with a cache of its own (a draft model) keeps its keys and values of a block's chunk with the block
 (`OwnPrefix`, `attach_own`), so that a conversation's next turn does not prefill its history on the draft
 model either. These need not be a cold prefill's numbers: a draft changes how fast the text comes, never the
-text (the acceptance rule), so the draft model prefills what is new in one pass, as it did uncached.
+text (the acceptance rule), so the draft model prefills what is new in chunk-sized passes, as it does uncached.
 
 A hit copies its blocks into the row's own cache (a 2,000-token prefix of the 1.5B target is 57 MB, a few
 ms), so the attention keeps one contiguous cache per row, and a running row never depends on a block:
@@ -51,8 +51,11 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.hidden, *(self.own or ()))
-        return sum(t.nelement() * t.element_size() for t in tensors if t is not None)
+        return _nbytes(self.keys, self.values, self.hidden, *(self.own or ()))
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.nelement() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -140,7 +143,7 @@ class PrefixCache:
     def attach_own(self, key: bytes, own: KeysValues) -> None:
         """Keep a drafter's own keys and values of a chunk with its block, where the cache still holds the block."""
         block = self.blocks.get(key)
-        added = sum(t.nelement() * t.element_size() for t in own)
+        added = _nbytes(*own)
         if block is None or block.own is not None or block.nbytes + added > self.budget_bytes:
             return
         self.blocks.pop(key)  # out of reach of its own eviction while room is made

@@ -68,7 +68,7 @@ class Drafter(ABC):
     # It drafts from the text alone (no state of the committed tokens), so `propose` takes `pending`: per row,
     # tokens drafted before its own (a grammar's forced continuation) to draft after.
     drafts_from_text = False
-    keeps_own_kv = False  # it has a cache of its own whose keys and values the prefix cache keeps (add's `own`)
+    keeps_own_kv = False  # it has a cache of its own whose keys and values the prefix cache keeps (prefill's `own`)
 
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
@@ -106,15 +106,6 @@ class Drafter(ABC):
         """The target kept nodes paths[i] of row i's proposal, root to leaf (a chain's first len(paths[i]));
         seqs are already extended. features[i] [len(paths[i]) + 1, H] are those of the tokens this step
         committed to the cache: the row's previous last token, then each kept node (None unless uses_features)."""
-
-
-def run_to_end(passes: Generator[None, None, BatchCache | None]) -> BatchCache | None:
-    """Every pass of a drafter's `prefill` at once; what it returns."""
-    while True:
-        try:
-            next(passes)
-        except StopIteration as done:
-            return done.value
 
 
 # What a drafter's from_config (drafters/registry.py) gets to make another drafter by its registry name, for the

@@ -38,7 +38,7 @@ from ..sampling import (
 )
 from ..prefix_cache import OwnPrefix
 from ..sequence import Sequence
-from .base import Drafter, DrafterBuilder, Proposal, run_to_end
+from .base import Drafter, DrafterBuilder, Proposal
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -150,8 +150,6 @@ class DraftModelDrafter(ModelDrafter):
         return row
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
-        if row is None:  # not prefilled by the engine's rounds: all of it now
-            row = run_to_end(self.prefill(seq, None, max(len(seq.tokens), 1)))
         self.cache.append(row)
 
     def remove(self, keep: list[int]) -> None:
