@@ -134,14 +134,15 @@ def prefill_rates(runners: dict[str, ModelRunner], lengths: list[int], reps: int
     return {step: {n: n / statistics.median(times[(step, n)]) for n in lengths} for step in runners}
 
 
-def draft_costs(target: ModelRunner, draft: ModelRunner | None, steps: list[str], context: int, reps: int) -> dict:
-    """Median ms per draft step: a draft model's one-token pass on each step kind, one level of the EAGLE
-    network, one forward of four Medusa heads (both eager: they run on the eager step only)."""
+def draft_costs(target: ModelRunner, drafts: dict[str, ModelRunner] | None, context: int, reps: int) -> dict:
+    """Median ms per draft step: a draft model's one-token pass on each step kind (`drafts`, as on_steps makes
+    them), one level of the EAGLE network, one forward of four Medusa heads (both eager: they run on the eager
+    step only)."""
     timed = timer(target.device)
     device, hidden = target.device, target.config.hidden_size
     costs: dict[str, dict[str, float] | float] = {}
-    if draft is not None:
-        by_step = pass_costs(on_steps(draft, steps), [1], context, reps)
+    if drafts:
+        by_step = pass_costs(drafts, [1], context, reps)
         costs["draft-model"] = {step: by_k[1] for step, by_k in by_step.items()}
     net = EagleNet(target.model).eval()
     heads = MedusaHeads(hidden, num_heads=4).to(device=device, dtype=target.dtype).eval()
@@ -246,8 +247,12 @@ def measure(args) -> dict:
                 "random_weights": False}
     start = time.perf_counter()
     runners = on_steps(target, steps)
+    target_ready = time.perf_counter()
+    draft_runners = on_steps(draft, steps) if draft else None
+    # Compiling (and recording CUDA graphs) is most of a GPU run's minutes: each model's share, before timing.
+    warm_up_s = {"target": target_ready - start, "draft": time.perf_counter() - target_ready if draft else None}
     passes = pass_costs(runners, lengths, args.context, args.reps)
-    drafts = draft_costs(target, draft, steps, args.context, args.reps)
+    drafts = draft_costs(target, draft_runners, args.context, args.reps)
     prefills = prefill_rates(runners, prefill_lengths, args.reps) if prefill_lengths else {}
     result = {
         **what, "kernel_family": vnni.family(), "device": str(target.device), "device_name": _device_name(target.device),
@@ -256,7 +261,7 @@ def measure(args) -> dict:
         "verify_over_plain": {step: {k: ms / by_k[lengths[0]] for k, ms in by_k.items()} for step, by_k in passes.items()},
         "eager_over": {step: {k: passes["eager"][k] / ms for k, ms in by_k.items()} for step, by_k in passes.items()}
         if "eager" in passes else None,
-        "prefill_tokens_per_s": prefills,
+        "prefill_tokens_per_s": prefills, "warm_up_s": warm_up_s,
     }
     if llama_cpp:
         result["llama_cpp"], prefills["llama.cpp"] = llama_cpp_rows(*llama_cpp, lengths, prefill_lengths, args.reps)
