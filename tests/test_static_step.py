@@ -175,6 +175,29 @@ def test_a_compiled_padded_step_compiles_two_graphs_for_every_pass_length():
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_the_compiled_step_serves_grown_joined_and_narrowed_caches_without_compiling_again():
+    """The warm-up's graphs serve every cache a server makes: one grown past its first capacity, rows joined
+    and rows dropped. (A grown cache's layers had become plain tensors, not views of a buffer, and each such
+    change compiled every graph again: minutes each on an H200's host, and past dynamo's limit, no graph.)"""
+    runner = StaticRunner.of(tiny_runner(), compiled=True, pad=True)
+    torch._dynamo.reset()
+    counters.clear()
+    runner.warm_up((1, 2))  # as a server warms up: batch 1, and 2 for every larger batch
+    warmed = counters["stats"]["unique_graphs"]
+    cache = runner.prefill(list(range(1, 60)) * 4 + [1] * 20)[0]  # 256 tokens: the next pass grows the cache
+    capacity = cache.capacity
+    for k in (1, 3, 8):
+        runner.forward(cache, torch.ones(1, k, dtype=torch.long))
+        cache.commit(torch.tensor([[True] + [False] * (k - 1)]))
+    assert cache.capacity > capacity
+    cache.append(runner.prefill(list(range(1, 30)))[0])
+    runner.forward(cache, torch.ones(2, 4, dtype=torch.long))
+    cache.commit(torch.ones(2, 4, dtype=torch.bool))
+    cache.keep_rows([1])
+    runner.forward(cache, torch.ones(1, 1, dtype=torch.long))
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
 def test_the_step_costs_script_runs_on_the_cpu_with_tiny_shapes(tmp_path):
     out = tmp_path / "step-costs.json"
     step_costs.main(["--shapes", "tiny-random-qwen2", "--draft-shapes", "tiny-random-llama", "--device", "cpu",

@@ -216,8 +216,10 @@ class StaticCache:
 
 
 def _buffer(like: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
-    """Untouched memory for `rows` rows of `capacity` slots, shaped and typed as `like`'s."""
-    return torch.empty(rows, like.shape[1], capacity, like.shape[3], dtype=like.dtype, device=like.device)
+    """Untouched memory for `rows` rows of `capacity` slots, shaped and typed as `like`'s, as a view of it: a layer is
+    always a view of its buffer, so the compiled step's graphs (which guard on a view's base) serve every cache,
+    grown, joined or narrowed (a grown cache's plain tensors had compiled a second set of graphs)."""
+    return torch.empty(rows, like.shape[1], capacity, like.shape[3], dtype=like.dtype, device=like.device)[:rows]
 
 
 def _free_rows(layer: torch.Tensor) -> tuple[int, int]:
