@@ -5,7 +5,9 @@
 // AVX2 has no `vpdpbusd`: `vpmaddubsw` multiplies 32 unsigned weight codes by 32 signed activation
 // codes and adds neighbouring products into int16, saturating, and `vpmaddwd` by ones adds those
 // pairs into int32. A block's 64-byte operand is two registers here, rows 0-7 and rows 8-15 (its two
-// parts), and each part is its own block of 8 output rows.
+// parts); a register block takes both parts for up to 4 activation rows, so each row's codes are
+// broadcast once for both (one part at a time, the codes were broadcast twice and the weights unpacked
+// twice as often: passes of 4-32 rows took 1.1-1.25x longer, docs/QUANT.md).
 // - int4: a pair is at most 2 * 15 * 127 = 3,810 in size, so a group's 8 operands add up in int16
 //   (at most 30,480 < 32,767) before one `vpmaddwd`.
 // - int8: codes 0..255 would saturate (2 * 255 * 127 = 64,770). Each code is taken as s = q - 128
@@ -77,16 +79,17 @@ struct Simd {
   // The 8 operands of one group, for the block's rows 8 * part .. 8 * part + 7.
   template <int bits>
   static void operands(const uint8_t* w, int part, I op[8]) {
-    const auto load = [&](int64_t at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at + 32 * part)); };
+    for (int i = 0; i < 8; ++i) op[i] = operand<bits>(w, part, i);
+  }
+  // Operand i of one group for one part: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk c.
+  template <int bits>
+  static I operand(const uint8_t* w, int part, int i) {
     if constexpr (bits == 4) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * (i / 2) + 32 * part));
       const __m256i nibble = _mm256_set1_epi8(0x0F);
-      for (int c = 0; c < 4; ++c) {
-        const __m256i bytes = load(64 * c);
-        op[2 * c] = _mm256_and_si256(bytes, nibble);
-        op[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-      }
+      return _mm256_and_si256(i % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
     } else {
-      for (int i = 0; i < 8; ++i) op[i] = load(64 * i);
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * i + 32 * part));
     }
   }
 };
@@ -95,7 +98,7 @@ struct Simd {
 
 namespace {
 
-constexpr int64_t kTokens = 4;  // activation rows per register block: AVX2 has 16 registers
+constexpr int64_t kTokens = 4;  // activation rows per register block, both parts: 2 and 6 measured slower
 
 #ifdef SPECDEC_AVX_VNNI
 constexpr bool kVnni = true;
@@ -121,41 +124,51 @@ __m256i group_sum(__m256i dot, int32_t code_sum) {
 }
 #endif
 
-// `tokens` (<= kTokens) activation rows starting at t0, one part (8 rows) of one block.
+// `tokens` (<= kTokens) activation rows starting at t0, both parts (16 rows) of one block: each row's 4 codes are
+// broadcast once for both parts' operands.
 template <int bits, int tokens, typename Epilogue>
-void block(const PassInputs& in, int64_t t0, int64_t nb, int part, const Epilogue& epilogue) {
-  // `vpdpbusd` chains on its own sums: a pass of few rows splits each row's eight into several independent
-  // chains, so that they do not wait on its latency (integer sums: the split changes nothing).
-  constexpr int chains = kVnni && tokens < 4 ? 4 / tokens : 1;
-  const int64_t groups = in.k / kGroup, col = nb * kRows + part * kLanes;
+void block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
+  // `vpdpbusd` chains on its own sums: a pass of one row splits each part's eight into two independent chains,
+  // so that they do not wait on its latency (integer sums: the split changes nothing).
+  constexpr int chains = kVnni && tokens < 2 ? 2 : 1;
+  const int64_t groups = in.k / kGroup, col = nb * kRows;
   const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc[tokens];
-  for (int t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
+  __m256 acc[tokens][kParts];
+  for (int t = 0; t < tokens; ++t)
+    for (int p = 0; p < kParts; ++p) acc[t][p] = _mm256_setzero_ps();
   const uint8_t* w = in.w + nb * groups * group_bytes<bits>();
   const uint16_t* sm = in.sm + nb * groups * 32;
   for (int64_t g = 0; g < groups; ++g, w += group_bytes<bits>(), sm += 32) {
-    if (part == 0) prefetch_group<bits>(w, sm);  // the second part reads the same lines
-    __m256i op[8];
-    Simd::operands<bits>(w, part, op);
-    __m256i dot[tokens][chains];
+    prefetch_group<bits>(w, sm);
+    __m256i dot[tokens][kParts][chains];
     for (int t = 0; t < tokens; ++t)
-      for (int c = 0; c < chains; ++c) dot[t][c] = _mm256_setzero_si256();
+      for (int p = 0; p < kParts; ++p)
+        for (int c = 0; c < chains; ++c) dot[t][p][c] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
-      const __m256i shifted = _mm256_xor_si256(op[i], top_bit), magnitude = _mm256_abs_epi8(shifted);  // int8: s, |s|
+      __m256i op[kParts], shifted[kParts], magnitude[kParts];
+      for (int p = 0; p < kParts; ++p) {
+        op[p] = Simd::operand<bits>(w, p, i);
+        shifted[p] = _mm256_xor_si256(op[p], top_bit), magnitude[p] = _mm256_abs_epi8(shifted[p]);  // int8: s, |s|
+      }
       for (int t = 0; t < tokens; ++t) {
         int32_t four;
         std::memcpy(&four, in.codes + (t0 + t) * in.k + g * kGroup + 4 * i, 4);
-        dot[t][i % chains] = accumulate<bits>(dot[t][i % chains], op[i], magnitude, shifted, _mm256_set1_epi32(four));
+        const __m256i a = _mm256_set1_epi32(four);
+        for (int p = 0; p < kParts; ++p)
+          dot[t][p][i % chains] = accumulate<bits>(dot[t][p][i % chains], op[p], magnitude[p], shifted[p], a);
       }
     }
-    const __m256 scale = group_scale(sm, part), min = group_min(sm, part);
-    for (int t = 0; t < tokens; ++t) {
-      __m256i sum = dot[t][0];
-      for (int c = 1; c < chains; ++c) sum = _mm256_add_epi32(sum, dot[t][c]);
-      epilogue.add(acc[t], group_sum<bits>(sum, in.code_sums[(t0 + t) * groups + g]), scale, min, t0 + t, g, col);
+    for (int p = 0; p < kParts; ++p) {
+      const __m256 scale = group_scale(sm, p), min = group_min(sm, p);
+      for (int t = 0; t < tokens; ++t) {
+        __m256i sum = dot[t][p][0];
+        for (int c = 1; c < chains; ++c) sum = _mm256_add_epi32(sum, dot[t][p][c]);
+        epilogue.add(acc[t][p], group_sum<bits>(sum, in.code_sums[(t0 + t) * groups + g]), scale, min, t0 + t, g, col + p * kLanes);
+      }
     }
   }
-  for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, col);
+  for (int t = 0; t < tokens; ++t)
+    for (int p = 0; p < kParts; ++p) epilogue.finish(acc[t][p], t0 + t, col + p * kLanes);
 }
 
 template <int bits, typename Epilogue>
@@ -163,10 +176,8 @@ void pass(const PassInputs& in, bool tiles, const Epilogue& epilogue) {
   TORCH_CHECK(!tiles, "the AVX2 kernels have no AMX path");
   at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
-      for (int part = 0; part < kParts; ++part) {
-        for (int64_t t0 = 0; t0 < in.m; t0 += kTokens) {
-          with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) { block<bits, decltype(tokens)::value>(in, t0, nb, part, epilogue); });
-        }
+      for (int64_t t0 = 0; t0 < in.m; t0 += kTokens) {
+        with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) { block<bits, decltype(tokens)::value>(in, t0, nb, epilogue); });
       }
     }
   });
