@@ -95,15 +95,16 @@ struct Simd {
   // The 8 operands of one group of one 16-row block (quant_kernel.h's layout); one register each, so part is 0.
   template <int bits>
   static void operands(const uint8_t* w, int, I op[8]) {
+    for (int i = 0; i < 8; ++i) op[i] = operand<bits>(w, i);
+  }
+  // Operand i: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk c.
+  template <int bits>
+  static I operand(const uint8_t* w, int i) {
     if constexpr (bits == 4) {
-      const __m512i nibble = _mm512_set1_epi8(0x0F);
-      for (int c = 0; c < 4; ++c) {
-        const __m512i bytes = _mm512_loadu_si512(w + 64 * c);
-        op[2 * c] = _mm512_and_si512(bytes, nibble);
-        op[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-      }
+      const __m512i bytes = _mm512_loadu_si512(w + 64 * (i / 2));
+      return _mm512_and_si512(i % 2 ? _mm512_srli_epi16(bytes, 4) : bytes, _mm512_set1_epi8(0x0F));
     } else {
-      for (int i = 0; i < 8; ++i) op[i] = _mm512_loadu_si512(w + 64 * i);
+      return _mm512_loadu_si512(w + 64 * i);
     }
   }
 };
@@ -113,49 +114,70 @@ struct Simd {
 namespace {
 
 constexpr int64_t kTokens = 8;  // activation rows per register block
+// 16-row blocks per register block of at most kTokens / kBlocks rows (decode and short verify passes): a row's codes
+// are broadcast once for both, and two weight streams are in flight (1-4 rows: 0.85-0.98x the time of one block at a
+// time). With more rows two blocks' sums and accumulators outgrow the 32 registers (8 rows: 1.17x), so those take
+// one block at a time. docs/QUANT.md.
+constexpr int64_t kBlocks = 2;
 
-// VNNI: `tokens` (<= kTokens) activation rows starting at t0, one block of 16 rows. A group's operands are
-// unpacked once for all `tokens` rows, and every row's sums are in flight at once.
-template <int bits, int tokens, typename Epilogue>
+// VNNI: `tokens` (<= kTokens) activation rows starting at t0, `blocks` 16-row blocks from nb. A row's 4 codes are
+// broadcast once for all the blocks, and every row's sums are in flight at once.
+template <int bits, int tokens, int blocks, typename Epilogue>
 void block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
-  // Independent vpdpbusd chains per row: a single chain of eight dependent ones would wait on latency, so a
-  // pass of few rows splits each row's eight into several chains (integer sums: the split changes nothing).
-  constexpr int chains = tokens >= 4 ? 1 : 4 / tokens;
+  // Independent vpdpbusd chains per row and block: a single chain of eight dependent ones would wait on latency,
+  // so a pass of few rows splits each row's eight into several chains (integer sums: the split changes nothing).
+  constexpr int chains = tokens * blocks >= 4 ? 1 : 4 / (tokens * blocks);
   const int64_t groups = in.k / kGroup;
-  __m512 acc[tokens];
-  for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[tokens][blocks];
+  for (int t = 0; t < tokens; ++t)
+    for (int b = 0; b < blocks; ++b) acc[t][b] = _mm512_setzero_ps();
   const uint8_t* w = in.w + nb * groups * group_bytes<bits>();
   const uint16_t* sm = in.sm + nb * groups * 32;
+  const int64_t w_block = groups * group_bytes<bits>(), sm_block = groups * 32;
   for (int64_t g = 0; g < groups; ++g, w += group_bytes<bits>(), sm += 32) {
-    prefetch_group<bits>(w, sm);
-    __m512i op[8];
-    Simd::operands<bits>(w, 0, op);
-    __m512i dot[tokens][chains];
+    for (int b = 0; b < blocks; ++b) prefetch_group<bits>(w + b * w_block, sm + b * sm_block);
+    __m512i dot[tokens][blocks][chains];
     for (int t = 0; t < tokens; ++t)
-      for (int c = 0; c < chains; ++c) dot[t][c] = _mm512_setzero_si512();
+      for (int b = 0; b < blocks; ++b)
+        for (int c = 0; c < chains; ++c) dot[t][b][c] = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i) {
+      __m512i op[blocks];
+      for (int b = 0; b < blocks; ++b) op[b] = Simd::operand<bits>(w + b * w_block, i);
       for (int t = 0; t < tokens; ++t) {
         int32_t four;
         std::memcpy(&four, in.codes + (t0 + t) * in.k + g * kGroup + 4 * i, 4);
-        dot[t][i % chains] = _mm512_dpbusd_epi32(dot[t][i % chains], op[i], _mm512_set1_epi32(four));
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int b = 0; b < blocks; ++b) dot[t][b][i % chains] = _mm512_dpbusd_epi32(dot[t][b][i % chains], op[b], a);
       }
     }
-    const __m512 scale = group_scale(sm, 0), min = group_min(sm, 0);
-    for (int t = 0; t < tokens; ++t) {
-      __m512i sum = dot[t][0];
-      for (int c = 1; c < chains; ++c) sum = _mm512_add_epi32(sum, dot[t][c]);
-      epilogue.add(acc[t], sum, scale, min, t0 + t, g, nb * kRows);
+    for (int b = 0; b < blocks; ++b) {
+      const __m512 scale = group_scale(sm + b * sm_block, 0), min = group_min(sm + b * sm_block, 0);
+      for (int t = 0; t < tokens; ++t) {
+        __m512i sum = dot[t][b][0];
+        for (int c = 1; c < chains; ++c) sum = _mm512_add_epi32(sum, dot[t][b][c]);
+        epilogue.add(acc[t][b], sum, scale, min, t0 + t, g, (nb + b) * kRows);
+      }
     }
   }
-  for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, nb * kRows);
+  for (int t = 0; t < tokens; ++t)
+    for (int b = 0; b < blocks; ++b) epilogue.finish(acc[t][b], t0 + t, (nb + b) * kRows);
 }
 
 template <int bits, typename Epilogue>
 void vnni_pass(const PassInputs& in, const Epilogue& e) {
-  at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
+  const int64_t blocks = in.n / kRows;
+  at::parallel_for(0, (blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t nb = pair * kBlocks;
       for (int64_t t0 = 0; t0 < in.m; t0 += kTokens) {
-        with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) { block<bits, decltype(tokens)::value>(in, t0, nb, e); });
+        with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) {
+          constexpr int count = decltype(tokens)::value;
+          if (count * kBlocks <= kTokens && nb + kBlocks <= blocks) {
+            block<bits, count, kBlocks>(in, t0, nb, e);
+          } else {
+            for (int64_t b = nb; b < std::min(nb + kBlocks, blocks); ++b) block<bits, count, 1>(in, t0, b, e);
+          }
+        });
       }
     }
   });
