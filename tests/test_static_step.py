@@ -177,8 +177,8 @@ def test_a_compiled_padded_step_compiles_two_graphs_for_every_pass_length():
 
 def test_the_compiled_step_serves_grown_joined_and_narrowed_caches_without_compiling_again():
     """The warm-up's graphs serve every cache a server makes: one grown past its first capacity, rows joined
-    and rows dropped. (A grown cache's layers had become plain tensors, not views of a buffer, and each such
-    change compiled every graph again: minutes each on an H200's host, and past dynamo's limit, no graph.)"""
+    and rows dropped. (A grown cache's layers had become plain tensors, not views of a buffer, and the first growth
+    compiled a second set of graphs: about a minute a graph on an H200's host, while every stream waited.)"""
     runner = StaticRunner.of(tiny_runner(), compiled=True, pad=True)
     torch._dynamo.reset()
     counters.clear()
