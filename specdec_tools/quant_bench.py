@@ -151,13 +151,14 @@ def kernel_path(path: str) -> Iterator[None]:
     pass, "amx" (tiles from vnni.AMX_MIN_ROWS rows, one-row passes on AVX-512 VNNI) or "dequantize"
     (passes of 2 rows or more as bf16 weights, dequantized each call or kept where the layer keeps them, and
     torch's matmul; one-row passes on the default family).
-    Past vnni.DEQUANTIZE_ROWS too, so that the switch can be placed."""
+    Past vnni.DEQUANTIZE_ROWS too, and on CPUs whose long passes stay on the kernel, so that the switch can be
+    placed."""
     saved = vnni.AMX_MIN_ROWS, vnni.DEQUANTIZE_ROWS, vnni.DEQUANTIZE_ROWS_KEPT_AMX
     vnni.AMX_MIN_ROWS = saved[0] if path == "amx" else 10**9
     vnni.DEQUANTIZE_ROWS = vnni.DEQUANTIZE_ROWS_KEPT_AMX = 2 if path == "dequantize" else 10**9
     isa = {} if path == "dequantize" else {vnni.ISA_ENV: path}
     try:
-        with mock.patch.dict(os.environ, isa):
+        with mock.patch.dict(os.environ, isa), mock.patch.object(vnni, "dequantizes_long_passes", lambda: True):
             vnni.choose_anew()
             yield
     finally:

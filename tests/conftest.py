@@ -22,3 +22,12 @@ def prompts_file(tmp_path_factory) -> Path:
     path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [q]}) + "\n"
                             for i, (c, q) in enumerate(questions)))
     return path
+
+
+@pytest.fixture
+def long_passes_dequantize(monkeypatch) -> None:
+    """Long passes take the bf16 product, as on a CPU with AMX tiles, whatever this CPU is: for tests of that path
+    (elsewhere every pass stays on the kernel: vnni.dequantizes_long_passes)."""
+    from specdec_core.models import vnni
+
+    monkeypatch.setattr(vnni, "dequantizes_long_passes", lambda: True)

@@ -124,7 +124,7 @@ def test_vnni_rows_do_not_depend_on_the_pass(precision: str, kernel_family: str)
 
 
 @needs_vnni
-def test_a_row_invariant_pass_stays_on_the_kernel_past_the_dequantizing_rows(kernel_family: str):
+def test_a_row_invariant_pass_stays_on_the_kernel_past_the_dequantizing_rows(kernel_family: str, long_passes_dequantize):
     """A verify pass over many rows (a batch of 16 by a tree of 16 nodes) computes each row as a single step does
     under vnni.row_invariant; without it such a pass takes the bf16 GEMM, and some row differs (the control)."""
     torch.manual_seed(5)
@@ -156,7 +156,7 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, b
 
 
 @needs_vnni
-def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_family: str):
+def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_family: str, long_passes_dequantize):
     """keep_dequantized: a long pass (a prefill chunk) on the bf16 weights the first one dequantized equals one
     that dequantizes them again, for a fused layer's parts too; short passes stay on the integer kernel."""
     torch.manual_seed(8)
@@ -176,14 +176,13 @@ def test_kept_bf16_weights_give_the_same_long_passes_and_are_kept_once(kernel_fa
 
 
 @needs_vnni
-@pytest.mark.parametrize("bf16_tiles", [True, False])
-def test_kept_weights_take_the_bf16_product_sooner_on_amx(bf16_tiles: bool, monkeypatch):
+def test_kept_weights_take_the_bf16_product_sooner_on_amx(monkeypatch):
     """Where the CPU multiplies bf16 on AMX tiles, a kept layer takes the bf16 product from DEQUANTIZE_ROWS_KEPT_AMX
-    rows, on its weights prepacked once for oneDNN's matmul; elsewhere, or unkept, the kernel up to DEQUANTIZE_ROWS
-    and torch.mm past it. Each equals that path's own product."""
-    if bf16_tiles and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    rows, on its weights prepacked once for oneDNN's matmul; unkept, the kernel up to DEQUANTIZE_ROWS and torch.mm
+    past it. Each equals that path's own product."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 matmul on this CPU")
-    monkeypatch.setattr(vnni, "bf16_tiles", lambda: bf16_tiles)
+    monkeypatch.setattr(vnni, "bf16_tiles", lambda: True)
     torch.manual_seed(9)
     layer = VnniLinear.from_linear(nn.Linear(256, 64, bias=False, dtype=torch.bfloat16), "int4")
     x = torch.randn(vnni.DEQUANTIZE_ROWS_KEPT_AMX, 256, dtype=torch.bfloat16)
@@ -194,18 +193,35 @@ def test_kept_weights_take_the_bf16_product_sooner_on_amx(bf16_tiles: bool, monk
     assert not torch.equal(on_kernel, bf16_product)
     assert torch.equal(layer(x), on_kernel)
     quant.keep_dequantized(layer, True)
-    assert torch.equal(layer(x), bf16_product if bf16_tiles else on_kernel)
+    assert torch.equal(layer(x), bf16_product)
     assert torch.equal(layer(x[:-1]), vnni.mm(x[:-1], layer.packed, layer.scale_min))  # a row fewer: the kernel
     longer = torch.randn(vnni.DEQUANTIZE_ROWS, 256, dtype=torch.bfloat16)
-    expected = torch.ops.mkldnn._linear_pointwise(longer, prepacked, None, "none", [None], "") if bf16_tiles else torch.mm(longer, weights)
-    assert torch.equal(layer(longer), expected)
-    assert layer._dequantized[0].is_mkldnn == bf16_tiles
+    assert torch.equal(layer(longer), torch.ops.mkldnn._linear_pointwise(longer, prepacked, None, "none", [None], ""))
+    assert layer._dequantized[0].is_mkldnn
     quant.keep_dequantized(layer, False)
     assert torch.equal(layer(longer), torch.mm(longer, weights))
 
 
 @needs_vnni
-def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request():
+@pytest.mark.parametrize("kept", [True, False])
+def test_without_amx_tiles_every_pass_stays_on_the_kernel(kept: bool, monkeypatch):
+    """On a CPU without AMX's bf16 tiles the kernel takes passes of every length, prefills too, kept weights or not
+    (it was faster at every length measured), so nothing is dequantized or kept, and a long pass's every row is what
+    a one-row pass computes; the control: with AMX tiles the same pass takes the bf16 product."""
+    monkeypatch.setattr(vnni, "bf16_tiles", lambda: False)
+    torch.manual_seed(10)
+    layer = VnniLinear.from_linear(nn.Linear(256, 64, bias=False, dtype=torch.bfloat16), "int4")
+    quant.keep_dequantized(layer, kept)
+    x = torch.randn(2 * vnni.DEQUANTIZE_ROWS + 7, 256, dtype=torch.bfloat16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(layer(x), alone)
+    assert layer._dequantized is None
+    monkeypatch.setattr(vnni, "bf16_tiles", lambda: True)
+    assert not torch.equal(torch.mm(x, vnni.dequantize_t(layer.packed, layer.scale_min)), alone)  # the product rounds otherwise
+
+
+@needs_vnni
+def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request(long_passes_dequantize):
     """Engine.warm_up (the server's, before it says ready): the first long pass's dequantization is paid there."""
     config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
                                     "speculation": {"drafter": "ngram"}})
@@ -218,7 +234,7 @@ def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request():
     assert not engine.seqs and engine.chunks == 0  # nothing of the warm-up's stays
 
 
-def test_a_draft_models_prefill_passes_keep_their_weights_from_the_warm_up():
+def test_a_draft_models_prefill_passes_keep_their_weights_from_the_warm_up(long_passes_dequantize):
     config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
                                     "speculation": {"drafter": "draft-model", "draft_model": TINY}})
     engine = build_engine(config)

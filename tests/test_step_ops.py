@@ -117,7 +117,7 @@ def test_the_fused_ops_and_kernel_layers_compute_the_modules_numbers_bit_for_bit
     assert not all(torch.equal(a, b) for a, b in zip(perturbed, modules))
 
 
-def test_long_passes_and_float_projections_take_the_modules():
+def test_long_passes_and_float_projections_take_the_modules(long_passes_dequantize):
     """A pass that would dequantize its weights, or a model with float projections, has no KernelLayers."""
     hidden = torch.zeros(1, vnni.DEQUANTIZE_ROWS, 8, dtype=torch.bfloat16)
     assert not step_ops.takes_kernel_layers(hidden, kept=False)

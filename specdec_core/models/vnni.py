@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,15 +70,15 @@ AMX_FLAGS = ("amx_tile", "amx_int8")
 # measured"), because each group of 32 inputs ends in a float epilogue.
 ISA_ENV = "SPECDEC_ISA"
 ISAS = ("avx2", "avxvnni", "avx512", "amx")
-# From this many rows (a long prompt's prefill) dequantizing the weights to bf16 and multiplying on
-# the CPU's matrix units beats the VNNI dot products (8960 x 1536, 2 threads: at 64 rows 9.3 ms
-# against 8.0, at 256 rows 17 ms against 30; docs/QUANT.md). On a Xeon with AMX, VNNI with 8 rows per
-# register block: 12.8 ms against 17.4 at 128 rows, level at 256, 51 against 26 at 512; AMX tiles no faster.
+# Where the CPU multiplies bf16 on AMX tiles (`dequantizes_long_passes`), from this many rows (a long prompt's
+# prefill) dequantizing the weights to bf16 and multiplying on the tiles beats the VNNI dot products: on a Xeon
+# with AMX, VNNI with 8 rows per register block: 12.8 ms against 17.4 at 128 rows, level at 256, 51 against 26 at
+# 512; AMX-INT8 tiles no faster (docs/QUANT.md).
 DEQUANTIZE_ROWS = 128
 # Where the bf16 weights are kept (quant.keep_dequantized: a prefill's chunks) the product costs no dequantization,
 # and on AMX (oneDNN's bf16 matmul on tiles, the weights prepacked: kept_weights) it wins sooner: the 1.5B's whole
 # pass on a Xeon with AMX, 2 threads, the kernel's time 0.93x the product's at 32 rows, 1.06x at 48, 1.20x at 64,
-# 1.41x at 96 (docs/QUANT.md). Without AMX, unmeasured.
+# 1.41x at 96 (docs/QUANT.md).
 DEQUANTIZE_ROWS_KEPT_AMX = 48
 # Set through `row_invariant` while a pass must compute each row as the single steps it stands for do (a verify
 # pass): it takes the kernel at any number of rows, since the bf16 GEMM past DEQUANTIZE_ROWS rounds otherwise.
@@ -155,7 +156,8 @@ def _tiles_chosen() -> bool:
         return True
     if family() is not None:
         reason = f"{ISA_ENV}=amx, but {amx_missing()}" if isa() == "amx" else f"{ISA_ENV}={isa() or 'unset'}"
-        log.info("quantize: passes below %d rows on %s (%s)", DEQUANTIZE_ROWS, FAMILIES[family()].title, reason)
+        log.info("quantize: %s on %s (%s)", f"passes below {DEQUANTIZE_ROWS} rows" if dequantizes_long_passes() else "every pass",
+                 FAMILIES[family()].title, reason)
     return False
 
 
@@ -222,10 +224,22 @@ def dequantizes(rows: int, kept: bool = False) -> bool:
     return rows >= dequantize_rows(kept) and not row_invariant_pass
 
 
-def dequantize_rows(kept: bool) -> int:
+def dequantize_rows(kept: bool) -> float:
     """From how many rows a pass takes the bf16 product: sooner where the weights are kept and the CPU has AMX
-    (never later than DEQUANTIZE_ROWS, which tools lower to force the product)."""
+    (never later than DEQUANTIZE_ROWS, which tools lower to force the product); never where long passes stay on
+    the kernel (`dequantizes_long_passes`)."""
+    if not dequantizes_long_passes():
+        return math.inf
     return min(DEQUANTIZE_ROWS, DEQUANTIZE_ROWS_KEPT_AMX) if kept and bf16_tiles() else DEQUANTIZE_ROWS
+
+
+def dequantizes_long_passes() -> bool:
+    """Whether long passes (prefills) take the bf16 product at all: where the CPU multiplies bf16 on AMX tiles.
+    Elsewhere the kernel wins at every length: on an AMD EPYC (Zen 4: AVX-512 VNNI and bf16, no AMX), 2 threads,
+    the 1.5B's whole pass took 0.45-0.76x the kept bf16 product's time at 32-512 tokens, and the AVX2 family's
+    layers were level with that product at 128-512 rows, where an AVX2-only CPU's product has no bf16
+    instructions at all (docs/QUANT.md). There a prefill computes every row as decoding does."""
+    return bf16_tiles()
 
 
 @functools.cache
