@@ -351,7 +351,8 @@ class Scheduler:
             else:
                 reason = None
             self._deliver(job, choice, pieces, reason)
-        self.engine.remove(stopped)  # a stop string ended them; the engine did not know
+        self.engine.keep_decoded(stopped)  # a stop string ended them; the engine did not know
+        self.engine.remove(stopped)
 
     def _deliver(self, job: Job, choice: Choice, pieces: list[Piece], reason: str | None) -> None:
         """Post released tokens (and the finish, if any) to the job; record token timings."""

@@ -9,7 +9,7 @@ from .drafters.registry import NO_DRAFTER, factory
 from .engine import Engine
 from .models.loading import eos_ids, load_runner
 from .models.runner import ModelRunner
-from .models.quant import keep_dequantized
+from .models.quant import keep_dequantized, long_passes_on_kernel
 from .models.static_runner import on_step
 from .prefix_cache import PrefixCache
 
@@ -37,9 +37,14 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     prefill = config.prefill
     for model in [target.model, *(chosen.own_models() if chosen else ())]:
         keep_dequantized(model, prefill.keep_bf16_weights)
+    # Prefills computed as decoding computes (row-invariant) where that costs little: the linear layers are on our
+    # kernel at every length anyway, and the row-invariant attention took 1.11x SDPA's time over a 2,048-token
+    # prompt in chunks of 128 (docs/benchmarks/NOTES.md, issue 31). With AMX the kernel would cost 2.3x the prefill.
+    exact = target.row_invariant and long_passes_on_kernel(target.model)
     cache = None
     if prefill.cache:
-        block_bytes = prefill.chunk_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
-        cache = PrefixCache(prefill.chunk_tokens, prefill.cache_bytes, block_bytes)
+        block_tokens = prefill.cache_block_tokens if exact else prefill.chunk_tokens
+        block_bytes = block_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
+        cache = PrefixCache(block_tokens, prefill.cache_bytes, block_bytes)
     return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, prefill.chunk_tokens, cache,
-                  grammar_draft_tokens=config.grammar.draft_tokens)
+                  grammar_draft_tokens=config.grammar.draft_tokens, exact_prefill=exact)

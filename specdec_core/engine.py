@@ -131,7 +131,7 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
         unseeded_rule: str = "rejection", chunk_tokens: int = 128, prefix_cache: PrefixCache | None = None,
-        grammar_draft_tokens: int = 16,
+        grammar_draft_tokens: int = 16, exact_prefill: bool = False,
     ):
         if unseeded_rule not in SAMPLING_RULES:
             raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
@@ -143,6 +143,9 @@ class Engine:
         self.cache = target.new_cache()
         self.chunk_tokens = chunk_tokens
         self.prefix_cache = prefix_cache
+        # Prefill passes compute each row as decoding does (row-invariant), so that any pass's keys and values are
+        # a cold prefill's: the prefix cache then keeps blocks of any size, answers too (prefix_cache.py).
+        self.exact_prefill = exact_prefill
         self.grammar_draft_tokens = grammar_draft_tokens  # most of a grammar's forced continuation a row drafts first
         self.chunks = 0  # prefill passes run, for metrics
         self.seqs: list[Sequence] = []
@@ -174,7 +177,7 @@ class Engine:
         row = self.target.new_cache()
         row.reserve(1, tokens)
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.target.device)
-        self.target.forward(row, ids, commit=True, last_logits_only=True)
+        self.target.forward(row, ids, commit=True, last_logits_only=True, row_invariant=self.exact_prefill)
         if self.drafter:  # a draft model's prefill passes keep their weights too
             for _ in self.drafter.prefill(Sequence("warm-up", [0] * (tokens + 1), SamplingParams(), 1), None, tokens):
                 pass
@@ -232,13 +235,14 @@ class Engine:
         chunk = torch.tensor([ids[start:end]], device=self.target.device)
         logits, hidden = self.target.forward(
             admission.row, chunk, commit=True, last_logits_only=not admission.want_logits, hidden_states=self.wants_features,
+            row_invariant=self.exact_prefill,
         )
         admission.logits.append(logits[0])
         if hidden is not None:
             admission.hidden.append(hidden[-1][0])
         admission.done = end
         self.chunks += 1
-        self._keep_chunk(admission, start, end)
+        self._keep_blocks(admission, start, end)
         return True
 
     def _prefill_draft(self, admission: Admission) -> bool:
@@ -256,14 +260,37 @@ class Engine:
             admission.draft_row, admission.drafted = done.value, True
             return False
 
-    def _keep_chunk(self, admission: Admission, start: int, end: int) -> None:
-        """Put a whole chunk just prefilled into the prefix cache (a prompt's partial last chunk stays out)."""
-        index = start // self.chunk_tokens
-        if self.prefix_cache is None or index >= len(admission.keys) or end - start != self.chunk_tokens:
+    def _keep_blocks(self, admission: Admission, start: int, end: int) -> None:
+        """Put the whole blocks a chunk just prefilled (positions start..end-1) completed into the prefix cache: those
+        ending in it (with an exact prefill a block may begin in an earlier chunk). Without an exact prefill a block
+        is a whole chunk, so a prompt's partial last chunk stays out."""
+        if self.prefix_cache is None:
             return
-        keys, values = admission.row.read_span(start, end)  # stacked: copies, not views of the row
-        hidden = admission.hidden[-1] if self.wants_features else None
-        self.prefix_cache.insert(admission.keys[index], Block(keys, values, hidden))
+        size = self.prefix_cache.block_tokens
+        blocks = range(start // size, min(end // size, len(admission.keys)))
+        hidden = torch.cat(admission.hidden) if self.wants_features and blocks else None  # positions 0..end-1
+        for index in blocks:
+            at, to = index * size, (index + 1) * size
+            keys, values = admission.row.read_span(at, to)  # stacked: copies, not views of the row
+            self.prefix_cache.insert(admission.keys[index], Block(keys, values, None if hidden is None else hidden[at:to].clone()))
+
+    def keep_decoded(self, seqs: list[Sequence]) -> None:
+        """Before finished sequences leave the batch: where prefills are exact, the prefix cache keeps the whole
+        blocks of each one's prompt and answer (its keys and values are then a cold prefill's), so that a
+        conversation's next turn, which resends them, prefills only what is new. Not for drafters that read the
+        target's features: the batch keeps no features to go with the blocks."""
+        cache = self.prefix_cache
+        if cache is None or not self.exact_prefill or self.wants_features:
+            return
+        rows = {id(seq): i for i, seq in enumerate(self.seqs)}
+        size = cache.block_tokens
+        for seq in seqs:
+            row = rows[id(seq)]
+            committed = min(int(self.cache.lengths[row]), len(seq.tokens) - 1)  # past a stop: drafts kept, not emitted
+            if not cache.fits(committed, seq.request_id):
+                continue
+            keys = cache.keys(seq.tokens[:committed], seq.cache_namespace)
+            cache.insert_chain(keys, lambda i, row=row: Block(*self.cache.read_span(i * size, (i + 1) * size, row), None))
 
     def _join(self, admission: Admission) -> None:
         """A prefilled sequence joins the batch, and its drafter's rows."""
@@ -303,7 +330,7 @@ class Engine:
             if block.own is None:
                 break
             cached.append(block.own)
-        return OwnPrefix(self.chunk_tokens, len(admission.keys), cached)
+        return OwnPrefix(self.prefix_cache.block_tokens, len(admission.keys), cached)
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Drop sequences from the batch (finished, cancelled or disconnected)."""
@@ -513,6 +540,7 @@ class Engine:
             finished=[seq for seq in seqs if seq.finished],
             failed=verdict.failed,
         )
+        self.keep_decoded(report.finished)
         self.remove(report.finished + [seq for seq, _ in report.failed])
         return report
 

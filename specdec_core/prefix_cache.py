@@ -1,19 +1,25 @@
 """The prefix cache: the target's keys and values of prompts already prefilled, kept by their tokens so that
 a conversation's next turn, an agent's next step or a shared system prompt is not prefilled again.
 
-Blocks are whole prefill chunks (`prefill.chunk_tokens` tokens, the chunk boundaries counted from position
-0), keyed by a hash chain as vLLM's automatic prefix caching keys its blocks: a block's key hashes its
-parent's key and its own tokens, and the first block's parent is the namespace, so equal keys mean equal
-prefixes within one namespace (an API key and a request's `cache_salt`). Hashed blocks rather than a radix
-tree: a lookup is one dictionary probe per block, and eviction needs no tree surgery.
+Blocks of `block_tokens` tokens, counted from position 0, keyed by a hash chain as vLLM's automatic prefix
+caching keys its blocks: a block's key hashes its parent's key and its own tokens, and the first block's parent
+is the namespace, so equal keys mean equal prefixes within one namespace (an API key and a request's
+`cache_salt`). Hashed blocks rather than a radix tree: a lookup is one dictionary probe per block, and eviction
+needs no tree surgery.
 
-Why whole chunks, computed by prefill only: a prompt is always prefilled in chunks at the same boundaries,
-so a block holds exactly the numbers a cold prefill of that prompt computes for those positions, and a
-request's text is the same with the cache on or off, bit for bit. Keys and values a decode or verify pass
-wrote are computed another way (our int8 kernel and the row-invariant attention, one row at a time) and
-never enter the cache; neither does a chunk's partial tail, whose pass is shorter than a full chunk's.
+A block must hold exactly the numbers a cold prefill computes for its positions, so that a request's text is
+the same with the cache on or off, bit for bit. How it does depends on the CPU (Engine's `exact_prefill`):
+- Where long passes take the bf16 product (CPUs with AMX tiles: vnni.dequantizes_long_passes), a prefill's
+  numbers depend on its pass, so blocks are whole prefill chunks (`prefill.chunk_tokens`, a prompt always
+  prefilled in chunks at the same boundaries), computed by prefill only: keys and values a decode or verify pass
+  wrote (the int8 kernel and the row-invariant attention, one row at a time) never enter the cache, nor does a
+  chunk's partial tail.
+- Elsewhere every prefill pass computes each row as decoding does (the kernel and the row-invariant attention),
+  so a position's keys and values are the same whichever pass wrote them: blocks are smaller
+  (`prefill.cache_block_tokens`), and a finished sequence's answer enters the cache too (`Engine.keep_decoded`),
+  so that a conversation's next turn does not prefill the last answer again.
 
-A drafter with a cache of its own (a draft model) keeps its keys and values of a block's chunk with the block
+A drafter with a cache of its own (a draft model) keeps its keys and values of a block with the block
 (`OwnPrefix`, `attach_own`), so that a conversation's next turn does not prefill its history on the draft
 model either. These need not be a cold prefill's numbers: a draft changes how fast the text comes, never the
 text (the acceptance rule), so the draft model prefills what is new in chunk-sized passes, as it does uncached.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,14 +42,14 @@ import torch
 log = logging.getLogger("specdec")
 
 
-KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys and values [L, Hkv, chunk, d] of every layer
+KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys and values [L, Hkv, block, d] of every layer
 
 
 @dataclass
 class Block:
-    """One chunk of a prefix: its keys and values [L, Hkv, chunk, d], for drafters that read the target's
-    features its final-normed hidden states [chunk, H], and for drafters with a cache of their own (a draft
-    model) their keys and values of the chunk, once one has computed them."""
+    """One block of a prefix: its keys and values [L, Hkv, block, d], for drafters that read the target's
+    features its final-normed hidden states [block, H], and for drafters with a cache of their own (a draft
+    model) their keys and values of the block, once one has computed them."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -61,11 +68,11 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 @dataclass
 class OwnPrefix:
     """What a drafter with a cache of its own gets of a prompt and gives back: its keys and values of the prompt's
-    first whole chunks from the cache (`cached`, in order), and those of later whole chunks (`computed`, by chunk
-    index, up to `chunks`) once it has prefilled them, for the cache to keep."""
+    first whole blocks from the cache (`cached`, in order), and those of later whole blocks (`computed`, by block
+    index, up to `blocks`) once it has prefilled them, for the cache to keep."""
 
-    chunk_tokens: int
-    chunks: int
+    block_tokens: int
+    blocks: int
     cached: list[KeysValues]
     computed: dict[int, KeysValues] = field(default_factory=dict)
 
@@ -80,13 +87,13 @@ class CacheCounts:
 
 
 class PrefixCache:
-    """Blocks of `chunk_tokens` tokens under a budget of `budget_bytes`, least recently used first out."""
+    """Blocks of `block_tokens` tokens under a budget of `budget_bytes`, least recently used first out."""
 
-    def __init__(self, chunk_tokens: int, budget_bytes: int, block_bytes: int):
+    def __init__(self, block_tokens: int, budget_bytes: int, block_bytes: int):
         if budget_bytes < block_bytes:
-            raise ValueError(f"prefill.cache_bytes {budget_bytes} holds no block: one block of {chunk_tokens} tokens "
+            raise ValueError(f"prefill.cache_bytes {budget_bytes} holds no block: one block of {block_tokens} tokens "
                              f"takes {block_bytes} bytes for this target; set at least that, or prefill.cache: false")
-        self.chunk_tokens = chunk_tokens
+        self.block_tokens = block_tokens
         self.budget_bytes = budget_bytes
         self.block_bytes = block_bytes
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
@@ -95,11 +102,11 @@ class PrefixCache:
         self._warned_too_large = False
 
     def keys(self, tokens: list[int], namespace: str) -> list[bytes]:
-        """The chain of keys of `tokens`' whole chunks."""
+        """The chain of keys of `tokens`' whole blocks."""
         keys, parent = [], hashlib.sha256(namespace.encode()).digest()
-        for start in range(0, len(tokens) - self.chunk_tokens + 1, self.chunk_tokens):
-            chunk = torch.tensor(tokens[start : start + self.chunk_tokens], dtype=torch.int64).numpy().tobytes()
-            parent = hashlib.sha256(parent + chunk).digest()
+        for start in range(0, len(tokens) - self.block_tokens + 1, self.block_tokens):
+            block = torch.tensor(tokens[start : start + self.block_tokens], dtype=torch.int64).numpy().tobytes()
+            parent = hashlib.sha256(parent + block).digest()
             keys.append(parent)
         return keys
 
@@ -112,9 +119,13 @@ class PrefixCache:
             if block is None:
                 break
             found.append(block)
-        for key in reversed(keys[: len(found)]):
-            self.blocks.move_to_end(key)
+        self._touch(keys[: len(found)])
         return found
+
+    def _touch(self, chain: list[bytes]) -> None:
+        """A prefix's blocks become the most recently used, its first block last: its root leaves after its leaves."""
+        for key in reversed(chain):
+            self.blocks.move_to_end(key)
 
     def snapshot(self) -> tuple[OrderedDict[bytes, Block], int]:
         """The blocks held now (shared, not copied), for `restore`."""
@@ -140,8 +151,16 @@ class PrefixCache:
         self.blocks[key] = block
         self.bytes += block.nbytes
 
+    def insert_chain(self, keys: list[bytes], block_at: Callable[[int], Block]) -> None:
+        """Keep a prefix's blocks, `keys` in order: those not held yet from `block_at(index)`, then ordered as a
+        lookup leaves them."""
+        for index, key in enumerate(keys):
+            if key not in self.blocks:
+                self.insert(key, block_at(index))
+        self._touch([key for key in keys if key in self.blocks])
+
     def attach_own(self, key: bytes, own: KeysValues) -> None:
-        """Keep a drafter's own keys and values of a chunk with its block, where the cache still holds the block."""
+        """Keep a drafter's own keys and values of a block with it, where the cache still holds the block."""
         block = self.blocks.get(key)
         added = _nbytes(*own)
         if block is None or block.own is not None or block.nbytes + added > self.budget_bytes:
@@ -162,7 +181,7 @@ class PrefixCache:
 
     def fits(self, tokens: int, request_id: str) -> bool:
         """Whether a prompt of `tokens` tokens can be cached whole; the log says once when one cannot."""
-        need = tokens // self.chunk_tokens * self.block_bytes
+        need = tokens // self.block_tokens * self.block_bytes
         if need <= self.budget_bytes:
             return True
         if not self._warned_too_large:

@@ -30,6 +30,7 @@ from .test_engine import TINY_TEXTS
 from .test_invisible import DRAFTERS, INT4, SETTINGS, STATIC_DRAFTERS, target  # noqa: F401  (fixture)
 
 CHUNK = 8  # tokens a chunk: the tiny prompts span several
+BLOCK = 3  # tokens a block where prefills are exact: not a divisor of the chunk, so blocks straddle chunks
 SYSTEM = " ".join(TINY_TEXTS)  # the shared beginning of every conversation
 
 
@@ -38,14 +39,17 @@ def runner(request, target) -> ModelRunner:  # noqa: F811  (the fixture imported
     return target if request.param == "eager" else StaticRunner.of(target)
 
 
-def engine_of(runner: ModelRunner, drafter=None, budget: int | None = 2**30, chunk: int = CHUNK) -> Engine:
-    """An engine whose prefills run in chunks of `chunk`, with a prefix cache of `budget` bytes (None: off)."""
+def engine_of(runner: ModelRunner, drafter=None, budget: int | None = 2**30, chunk: int = CHUNK, exact: bool = False) -> Engine:
+    """An engine whose prefills run in chunks of `chunk`, with a prefix cache of `budget` bytes (None: off); `exact`:
+    prefills compute rows as decoding does, and the cache's blocks are BLOCK tokens (build_engine's choice where
+    long passes stay on the kernel)."""
     cache = None
     if budget is not None:
         features = bool(drafter and drafter.uses_features)
-        cache = PrefixCache(chunk, budget, chunk * runner.token_bytes(features))
+        block = BLOCK if exact else chunk
+        cache = PrefixCache(block, budget, block * runner.token_bytes(features))
     controller = Controller(gamma_max=4, fixed_gamma=3 if drafter else None)  # drafts every step: the test says something
-    return Engine(runner, drafter, controller, eos_ids(runner), chunk_tokens=chunk, prefix_cache=cache)
+    return Engine(runner, drafter, controller, eos_ids(runner), chunk_tokens=chunk, prefix_cache=cache, exact_prefill=exact)
 
 
 def conversations(runner: ModelRunner, setting: str, turn: int, earlier: list[Sequence] | None = None) -> list[Sequence]:
@@ -98,6 +102,47 @@ def test_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
     # A second turn finds every whole chunk its first turn prefilled (all but the first turn's last token).
     assert [seq.cached_tokens for seq in second] == [(len(seq.prompt_ids) - 1) // CHUNK * CHUNK for seq in first]
     assert drafter is None or sum(seq.stats.draft_tokens for seq in second) > 0
+
+
+def test_an_exact_prefill_computes_the_keys_and_values_decoding_wrote(runner):
+    """Where prefills are exact (row-invariant), a cold prefill of a decoded sequence's prompt and answer gives
+    every position the keys and values its decoding wrote (verify passes of a drafter included), bit for bit;
+    the control: a prefill on SDPA does not."""
+    engine = engine_of(runner, DRAFTERS["suffix"](runner), budget=None, exact=True)
+    seq = Sequence("decoded", runner.tokenizer.encode(SYSTEM), SamplingParams(temperature=0), 20)
+    engine.add(seq)
+    while not seq.finished:
+        engine.step()
+        if seq.finished:
+            break
+        decoded = engine.cache.read_span(0, int(engine.cache.lengths[0]))
+    committed = decoded[0].shape[2]
+    assert committed > len(seq.prompt_ids)
+    for exact, equal in ((True, True), (False, False)):
+        cold = engine_of(runner, budget=None, exact=exact)
+        admission = cold.begin(Sequence("cold", seq.tokens[: committed + 1], SamplingParams(), 1))
+        while not cold.advance(admission):
+            pass
+        prefilled = admission.row.read_span(0, committed)
+        assert all(torch.equal(a, b) for a, b in zip(prefilled, decoded)) == equal
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafter", [None, "suffix", "draft-model", "eagle", "layer-skip"])
+def test_with_exact_prefills_answers_are_cached_and_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
+    """A second turn takes every whole block of its first turn's prompt and answer from the cache (blocks of
+    BLOCK tokens, straddling chunks), and its text is the cache-off text; a drafter that reads the target's
+    features gets the prompt's blocks only (no features are kept for an answer)."""
+    if drafter == "layer-skip" and isinstance(runner, StaticRunner):
+        pytest.skip("layer-skip drafts in the eager step's slot cache")
+    make = DRAFTERS[drafter] if drafter else (lambda target: None)
+    on = engine_of(runner, make(runner), exact=True)
+    texts, first, second = chat(on, runner, setting)
+    assert texts == chat(engine_of(runner, make(runner), budget=None, exact=True), runner, setting)[0]
+    answered = drafter != "eagle"
+    expected = [(len(seq.tokens if answered else seq.prompt_ids) - 1) // BLOCK * BLOCK for seq in first]
+    assert [seq.cached_tokens for seq in second] == expected
+    assert answered == all(cached > len(seq.prompt_ids) for cached, seq in zip(expected, first))
 
 
 def test_the_draft_models_own_keys_and_values_are_kept_with_the_blocks(runner, monkeypatch):

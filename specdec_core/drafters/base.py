@@ -82,7 +82,7 @@ class Drafter(ABC):
         """Its own prefill of a sequence about to join (drafters with a cache of their own), a pass of at most
         `chunk_tokens` tokens per next(), so that the engine steps the running rows between them; returns the
         prefilled row for `add`. `own` (where the prefix cache is on): its own keys and values of the prompt's
-        first whole chunks, to take instead of prefilling them, and where it leaves those of the later ones."""
+        first whole blocks, to take instead of prefilling them, and where it leaves those of the later ones."""
         yield from ()
         return None
 

@@ -133,8 +133,8 @@ class DraftModelDrafter(ModelDrafter):
         return [self.runner.model]
 
     def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache]:
-        """The prompt on the draft model in passes of chunk_tokens, but for the whole chunks `own` has from the
-        prefix cache; what it prefills of the later whole chunks goes back in `own`."""
+        """The prompt on the draft model in passes of chunk_tokens, but for the whole blocks `own` has from the
+        prefix cache; what it prefills of the later whole blocks goes back in `own`."""
         ids = seq.tokens[:-1]
         row = self.runner.new_cache()
         row.reserve(1, len(ids))
@@ -145,8 +145,8 @@ class DraftModelDrafter(ModelDrafter):
             self.runner.forward(row, chunk, commit=True, last_logits_only=True)
             yield
         if own:
-            size = own.chunk_tokens
-            own.computed = {i: row.read_span(i * size, (i + 1) * size) for i in range(len(own.cached), own.chunks)}
+            size = own.block_tokens
+            own.computed = {i: row.read_span(i * size, (i + 1) * size) for i in range(len(own.cached), own.blocks)}
         return row
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:

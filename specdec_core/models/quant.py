@@ -323,6 +323,13 @@ def keep_dequantized(model: nn.Module, keep: bool) -> None:
                 layer._dequantized = None
 
 
+def long_passes_on_kernel(model: nn.Module) -> bool:
+    """Whether every pass of `model`, a long prefill's too, multiplies on our kernel: its linear layers are all
+    VnniLinear, on a CPU whose long passes stay on the kernel (vnni.dequantizes_long_passes)."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    return bool(layers) and all(isinstance(m, VnniLinear) for m in layers) and not vnni.dequantizes_long_passes()
+
+
 def kernel(device: torch.device, group_size: int) -> str:
     """Which kernels a device gets: ours (`vnni`) where it runs, else torch's for the device."""
     return "vnni" if vnni.supports(vnni.ROWS, vnni.GROUP_SIZE, group_size, device) else device.type

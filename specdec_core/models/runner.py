@@ -186,11 +186,12 @@ class BatchCache:
         self.lengths = self.lengths + keep.sum(dim=1)
         self.compact()
 
-    def read_span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-row prefill's keys and values at positions start..end-1 (its slots are its positions), every
-        layer: [L, Hkv, end - start, d] each."""
+    def read_span(self, start: int, end: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values at positions start..end-1 (its valid slots, in order: a decoded row's
+        refused drafts leave holes), every layer: [L, Hkv, end - start, d] each, copies."""
+        slots = self.valid[row].nonzero().squeeze(1)[start:end]
         layers = _layers(self.kv)
-        return torch.stack([la.keys[0, :, start:end] for la in layers]), torch.stack([la.values[0, :, start:end] for la in layers])
+        return torch.stack([la.keys[row, :, slots] for la in layers]), torch.stack([la.values[row, :, slots] for la in layers])
 
     def write_span(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append keys and values [L, Hkv, n, d] (`read_span`'s) to a one-row cache, as a pass over them would."""

@@ -196,9 +196,10 @@ class StaticCache:
         self.lengths = self.lengths + keep.sum(1)
         self.pending = 0
 
-    def read_span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-row cache's keys and values at positions start..end-1, every layer: [L, Hkv, end - start, d] each."""
-        return (torch.stack([k[0, :, start:end] for k in self.keys]), torch.stack([v[0, :, start:end] for v in self.values]))
+    def read_span(self, start: int, end: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values at positions start..end-1 (a row's slots are its positions), every layer:
+        [L, Hkv, end - start, d] each, copies."""
+        return (torch.stack([k[row, :, start:end] for k in self.keys]), torch.stack([v[row, :, start:end] for v in self.values]))
 
     def write_span(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append keys and values [L, Hkv, n, d] (`read_span`'s) to a one-row cache's committed positions."""
