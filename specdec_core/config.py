@@ -125,10 +125,10 @@ class PrefillConfig(Section):
     # longest gap was 0.45-0.47 s in chunks of 128 (8x the step) against 0.55-0.61 s at 192 (up to 11x; the goal is
     # 10x), where one pass stopped it for 7.7-8.3 s; the prompt alone took 8.0-8.6 s at 128, 7.0-7.1 s at 192, and
     # 7.9-9.3 s in one pass. Each chunk reads every kept weight once, so smaller chunks prefill slower.
-    chunk_tokens: int = Field(128, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks, and the prefix cache keeps whole chunks (smaller bounds the stall, larger prefills faster)")
-    cache: bool = Field(True, description="Keep prefilled chunks' keys and values (the prefix cache), so a prompt that begins as an earlier one did prefills only the rest, with the same text as without")
+    chunk_tokens: int = Field(128, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks, and on CPUs with AMX the prefix cache keeps whole chunks (smaller bounds the stall, larger prefills faster)")
+    cache: bool = Field(True, description="Keep prefilled (and, where prefills are exact, decoded) keys and values (the prefix cache), so a prompt that begins as an earlier one did prefills only the rest, with the same text as without")
     cache_block_tokens: int = Field(16, ge=1, description="Tokens a prefix-cache block holds where prefills compute each row as decoding does (quantized targets on CPUs without AMX), where answers are cached too; elsewhere a block is a whole chunk")
-    cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used chunks leave first")
+    cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used blocks leave first")
     keep_bf16_weights: bool = Field(True, description="Quantized targets (and draft models) keep a bf16 copy of their weights for passes of 128 tokens and more, 48 (prepacked for oneDNN) on CPUs with AMX, the only ones whose long passes take it (2.6 GB for the 1.5B; elsewhere nothing is kept), so that each prefill chunk does not dequantize every weight again (measured: 0.57 against 0.92 s a 256-token chunk)")
 
 

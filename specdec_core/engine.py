@@ -268,11 +268,22 @@ class Engine:
             return
         size = self.prefix_cache.block_tokens
         blocks = range(start // size, min(end // size, len(admission.keys)))
-        hidden = torch.cat(admission.hidden) if self.wants_features and blocks else None  # positions 0..end-1
+        if not blocks:
+            return
+        hidden, first = None, end
+        if self.wants_features:  # the last pieces of the features, back to the first block's start (not all of them)
+            pieces = []
+            for piece in reversed(admission.hidden):
+                if first <= blocks.start * size:
+                    break
+                pieces.append(piece)
+                first -= len(piece)
+            hidden = torch.cat(pieces[::-1])  # positions first..end-1
         for index in blocks:
             at, to = index * size, (index + 1) * size
             keys, values = admission.row.read_span(at, to)  # stacked: copies, not views of the row
-            self.prefix_cache.insert(admission.keys[index], Block(keys, values, None if hidden is None else hidden[at:to].clone()))
+            features = None if hidden is None else hidden[at - first : to - first].clone()
+            self.prefix_cache.insert(admission.keys[index], Block(keys, values, features))
 
     def keep_decoded(self, seqs: list[Sequence]) -> None:
         """Before finished sequences leave the batch: where prefills are exact, the prefix cache keeps the whole

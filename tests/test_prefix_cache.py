@@ -111,7 +111,7 @@ def test_an_exact_prefill_computes_the_keys_and_values_decoding_wrote(runner):
     engine = engine_of(runner, DRAFTERS["suffix"](runner), budget=None, exact=True)
     seq = Sequence("decoded", runner.tokenizer.encode(SYSTEM), SamplingParams(temperature=0), 20)
     engine.add(seq)
-    while not seq.finished:
+    while True:  # the row's keys and values as of the step before it finished (and left the batch)
         engine.step()
         if seq.finished:
             break
