@@ -2,12 +2,14 @@
 
 On each server, one after the other (so that each has the machine to itself), after one unmeasured long
 prompt (a server's first long pass keeps its bf16 weights, prefill.keep_bf16_weights):
-1. a short streamed request alone: its gaps between tokens, the step a running stream sees (tokens accepted
-   together arrive together: the median of the gaps over 5 ms is the step);
+1. a short streamed request alone, decoded plainly (`speculation: false`, this server's extension): its gaps
+   between tokens, the plain one-token step (the median of the gaps over 5 ms: a detokenizer may hold a token
+   back and send it with the next);
 2. a long prompt alone (one token asked): its time to first token;
 3. the short request again, and once it streams, the long prompt (a prompt no cache holds): the longest gap
    between the stream's tokens while the long prompt is admitted (every gap is listed: one a chunk, and the
-   one in which the prompt joins the batch), and the long prompt's time to first token.
+   one in which the prompt joins the batch), and the long prompt's time to first token; and whether the stream
+   outlasted the admission (if not, its later chunks went unmeasured: raise --stream-tokens).
 
 Run it against a server with chunked prefill and one with prefill.chunk_tokens above the prompt's length
 (unchunked) in one run, so the ratios compare like with like:
@@ -33,7 +35,7 @@ from .runner import RequestResult, Target, parse_target, stream_chat
 
 SOURCE_MODULES = ("difflib", "argparse", "statistics", "textwrap")  # the long prompt's text: Python source (PSF licence)
 CHARACTERS_PER_TOKEN = 3.8  # about, for Python source in Qwen2.5's tokenizer; the server's usage says exactly
-STEP_GAP_S = 0.005  # gaps shorter than this are tokens one step accepted together
+STEP_GAP_S = 0.005  # gaps shorter than this are tokens sent together (held back by the detokenizer)
 
 
 def long_prompt(tokens: int) -> str:
@@ -49,7 +51,7 @@ def body(text: str, max_tokens: int, model: str) -> dict:
 
 async def measure(client: httpx.AsyncClient, target: Target, model: str, prompt_tokens: int, stream_tokens: int) -> dict:
     """The three measurements on one server."""
-    short = body("Count from one to one hundred in words, one per line.", stream_tokens, model)
+    short = {**body("Count from one to one thousand in words, one per line.", stream_tokens, model), "speculation": False}
     await stream_chat(client, target, body(long_prompt(prompt_tokens), 1, model), 600)  # warm-up
     alone = await stream_chat(client, target, short, 600)
     long_alone = await stream_chat(client, target, body(long_prompt(prompt_tokens), 1, model), 600)
@@ -74,6 +76,7 @@ async def measure(client: httpx.AsyncClient, target: Target, model: str, prompt_
         "largest_gap_while_admitting_s": max(during, default=None),
         "largest_gap_in_steps": max(during) / step_s if during and step_s else None,
         "gaps_while_admitting_s": [round(gap, 3) for gap in during],
+        "stream_outlasted_admission": bool(times) and times[-1] >= answered,
         "ok": all(r.ok for r in (alone, long_alone, long_concurrent, stream)),
         "errors": [r.error for r in (alone, long_alone, long_concurrent, stream) if r.error],
     }

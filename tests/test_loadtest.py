@@ -109,4 +109,5 @@ def test_the_stall_tool_measures_a_long_prompt_against_a_running_stream_chunked_
     for row in rows:
         assert row["ok"] and row["long_prompt_tokens"] > 100 and row["step_s"] > 0
         assert row["long_prompt_ttft_alone_s"] > 0 and row["long_prompt_ttft_while_streaming_s"] > 0
+        assert isinstance(row["stream_outlasted_admission"], bool)
     assert rows[0]["largest_gap_while_admitting_s"] is not None
