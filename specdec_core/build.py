@@ -43,8 +43,12 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     exact = target.row_invariant and long_passes_on_kernel(target.model)
     cache = None
     if prefill.cache:
-        block_tokens = prefill.cache_block_tokens if exact else prefill.chunk_tokens
+        block_tokens = prefill.cache_block_tokens if exact else prefill.chunk_tokens_for(exact)
         block_bytes = block_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
         cache = PrefixCache(block_tokens, prefill.cache_bytes, block_bytes)
-    return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, prefill.chunk_tokens, cache,
-                  grammar_draft_tokens=config.grammar.draft_tokens, exact_prefill=exact)
+    # Exact prefills attend with the row-invariant attention, which costs a chunk more the more context it attends
+    # (docs/benchmarks/NOTES.md): there chunks shrink as their context grows, with the attention's multiply-adds
+    # weighed against the linear kernel's by measurement.
+    context = round(target.projection_to_attention_macs() / prefill.attention_mac_cost) if exact else None
+    return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, prefill.chunk_tokens_for(exact), cache,
+                  grammar_draft_tokens=config.grammar.draft_tokens, exact_prefill=exact, chunk_context_tokens=context)

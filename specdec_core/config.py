@@ -120,16 +120,23 @@ class SpeculationConfig(Section):
 
 
 class PrefillConfig(Section):
-    # By measurement (docs/benchmarks/NOTES.md, "The prefix cache and chunked prefill"; 1.5B int4, 2 threads, AMX,
-    # bf16 weights kept; stall-in-place-join*.json): while a 2,940-token prompt was admitted, a running stream's
+    # By measurement (docs/benchmarks/NOTES.md, "The prefix cache and chunked prefill"; 1.5B int4, 2 threads): with
+    # AMX (bf16 weights kept, stall-in-place-join*.json), while a 2,940-token prompt was admitted a running stream's
     # longest gap was 0.45-0.47 s in chunks of 128 (8x the step) against 0.55-0.61 s at 192 (up to 11x; the goal is
-    # 10x), where one pass stopped it for 7.7-8.3 s; the prompt alone took 8.0-8.6 s at 128, 7.0-7.1 s at 192, and
-    # 7.9-9.3 s in one pass. Each chunk reads every kept weight once, so smaller chunks prefill slower.
-    chunk_tokens: int = Field(128, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks, and on CPUs with AMX the prefix cache keeps whole chunks (smaller bounds the stall, larger prefills faster)")
+    # 10x). Without AMX, where prefills are exact on the int8 kernel and the row-invariant attention
+    # (prefix-cache/chunk-costs-epyc.json), a chunk of n rows at context p took 4.8 ms * n + 2.3 us * n * (p + n / 2):
+    # 0.32 s for 64 rows at the start, 1.55 s for 128 at 3,000 positions. Each chunk reads every weight once, so
+    # smaller chunks prefill slower.
+    chunk_tokens: int | None = Field(None, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks (smaller bounds the stall, larger prefills faster); null: 128 on CPUs with AMX, where the prefix cache keeps whole chunks, else 48 at a prompt's start, fewer as the context grows (attention_mac_cost)")
+    attention_mac_cost: float = Field(7.0, gt=0, description="Where prefills are exact (quantized targets on CPUs without AMX): what a multiply-add of the row-invariant attention costs against one of the int8 linear kernel (measured 7.3 on AVX-512 VNNI), so that chunks hold fewer tokens the more context they attend and none costs more than a prompt's first")
     cache: bool = Field(True, description="Keep prefilled (and, where prefills are exact, decoded) keys and values (the prefix cache), so a prompt that begins as an earlier one did prefills only the rest, with the same text as without")
-    cache_block_tokens: int = Field(16, ge=1, description="Tokens a prefix-cache block holds where prefills compute each row as decoding does (quantized targets on CPUs without AMX), where answers are cached too; elsewhere a block is a whole chunk")
+    cache_block_tokens: int = Field(8, ge=1, description="Tokens a prefix-cache block holds where prefills compute each row as decoding does (quantized targets on CPUs without AMX), where answers are cached too (a follow-up prefills again its history's partial last block); elsewhere a block is a whole chunk")
     cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used blocks leave first")
     keep_bf16_weights: bool = Field(True, description="Quantized targets (and draft models) keep a bf16 copy of their weights for passes of 128 tokens and more, 48 (prepacked for oneDNN) on CPUs with AMX, the only ones whose long passes take it (2.6 GB for the 1.5B; elsewhere nothing is kept), so that each prefill chunk does not dequantize every weight again (measured: 0.57 against 0.92 s a 256-token chunk)")
+
+    def chunk_tokens_for(self, exact: bool) -> int:
+        """Tokens of a prompt's first chunk: the configured ones, else the default measured for the prefill's kind."""
+        return self.chunk_tokens or (48 if exact else 128)
 
 
 class GrammarConfig(Section):

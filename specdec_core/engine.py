@@ -131,7 +131,7 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: Drafter | None, controller: Controller, eos_token_ids: set[int],
         unseeded_rule: str = "rejection", chunk_tokens: int = 128, prefix_cache: PrefixCache | None = None,
-        grammar_draft_tokens: int = 16, exact_prefill: bool = False,
+        grammar_draft_tokens: int = 16, exact_prefill: bool = False, chunk_context_tokens: int | None = None,
     ):
         if unseeded_rule not in SAMPLING_RULES:
             raise ValueError(f"unseeded_rule {unseeded_rule!r} is not one of {SAMPLING_RULES}")
@@ -142,6 +142,9 @@ class Engine:
         self.unseeded_rule = unseeded_rule
         self.cache = target.new_cache()
         self.chunk_tokens = chunk_tokens
+        # With it, chunks shrink as the context they attend grows (`_chunk_end`): the context at which a row's
+        # attention costs as much as its linear layers.
+        self.chunk_context_tokens = chunk_context_tokens
         self.prefix_cache = prefix_cache
         # Prefill passes compute each row as decoding does (row-invariant), so that any pass's keys and values are
         # a cold prefill's: the prefix cache then keeps blocks of any size, answers too (prefix_cache.py).
@@ -206,9 +209,10 @@ class Engine:
             return
         admission.keys = cache.keys(ids, seq.cache_namespace)
         admission.blocks = [] if admission.want_logits else cache.lookup(admission.keys)
-        for block in admission.blocks:
-            admission.row.write_span(block.keys, block.values)
-            admission.hidden.append(block.hidden)
+        if admission.blocks:  # in one write: a long prefix is hundreds of blocks, each a copy a layer
+            blocks = admission.blocks
+            admission.row.write_span(torch.cat([b.keys for b in blocks], dim=2), torch.cat([b.values for b in blocks], dim=2))
+            admission.hidden.extend(block.hidden for block in blocks)
         admission.done = admission.cached = seq.cached_tokens = int(admission.row.lengths[0])
         cache.counts.hit_tokens += admission.cached
         cache.counts.miss_tokens += len(ids) - admission.cached
@@ -229,7 +233,7 @@ class Engine:
     def _prefill_chunk(self, admission: Admission) -> bool:
         """The target's next chunk of the admission's prompt; whether there was one."""
         ids, start = admission.ids, admission.done
-        end = min(start + self.chunk_tokens, len(ids))
+        end = min(self._chunk_end(start), len(ids))
         if end == start:
             return False
         chunk = torch.tensor([ids[start:end]], device=self.target.device)
@@ -244,6 +248,23 @@ class Engine:
         self.chunks += 1
         self._keep_blocks(admission, start, end)
         return True
+
+    def _chunk_end(self, start: int) -> int:
+        """Where a chunk from position `start` ends: `chunk_tokens` on, or, with `chunk_context_tokens` (K), as many
+        tokens as keep its pass no costlier than a prompt's first chunk's. Row p costs 1 + p / K (its linear layers,
+        then its attention over p positions), so n rows from s cost n (1 + (s + n / 2) / K): a chunk's pass, and the
+        running streams' wait for it, stays about as long however much context it attends (at least one token)."""
+        first, context = self.chunk_tokens, self.chunk_context_tokens
+        if context is None:
+            return start + first
+
+        def cost(rows: int, at: int) -> int:  # 2K times the chunk's cost, in whole numbers
+            return rows * (2 * context + 2 * at + rows)
+
+        rows = first
+        while rows > 1 and cost(rows, start) > cost(first, 0):
+            rows -= 1
+        return start + rows
 
     def _prefill_draft(self, admission: Admission) -> bool:
         """The drafter's next pass of its own prefill of the admission; whether there was one."""

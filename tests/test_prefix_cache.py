@@ -31,6 +31,7 @@ from .test_invisible import DRAFTERS, INT4, SETTINGS, STATIC_DRAFTERS, target  #
 
 CHUNK = 8  # tokens a chunk: the tiny prompts span several
 BLOCK = 3  # tokens a block where prefills are exact: not a divisor of the chunk, so blocks straddle chunks
+CONTEXT = 64  # where prefills are exact, chunks shrink as their context grows: from 8 tokens to 2 over these prompts
 SYSTEM = " ".join(TINY_TEXTS)  # the shared beginning of every conversation
 
 
@@ -41,15 +42,16 @@ def runner(request, target) -> ModelRunner:  # noqa: F811  (the fixture imported
 
 def engine_of(runner: ModelRunner, drafter=None, budget: int | None = 2**30, chunk: int = CHUNK, exact: bool = False) -> Engine:
     """An engine whose prefills run in chunks of `chunk`, with a prefix cache of `budget` bytes (None: off); `exact`:
-    prefills compute rows as decoding does, and the cache's blocks are BLOCK tokens (build_engine's choice where
-    long passes stay on the kernel)."""
+    prefills compute rows as decoding does, in chunks that shrink as their context grows, and the cache's blocks
+    are BLOCK tokens (build_engine's choice where long passes stay on the kernel)."""
     cache = None
     if budget is not None:
         features = bool(drafter and drafter.uses_features)
         block = BLOCK if exact else chunk
         cache = PrefixCache(block, budget, block * runner.token_bytes(features))
     controller = Controller(gamma_max=4, fixed_gamma=3 if drafter else None)  # drafts every step: the test says something
-    return Engine(runner, drafter, controller, eos_ids(runner), chunk_tokens=chunk, prefix_cache=cache, exact_prefill=exact)
+    return Engine(runner, drafter, controller, eos_ids(runner), chunk_tokens=chunk, prefix_cache=cache, exact_prefill=exact,
+                  chunk_context_tokens=CONTEXT if exact else None)
 
 
 def conversations(runner: ModelRunner, setting: str, turn: int, earlier: list[Sequence] | None = None) -> list[Sequence]:
@@ -125,6 +127,27 @@ def test_an_exact_prefill_computes_the_keys_and_values_decoding_wrote(runner):
             pass
         prefilled = admission.row.read_span(0, committed)
         assert all(torch.equal(a, b) for a, b in zip(prefilled, decoded)) == equal
+
+
+def test_exact_prefill_chunks_shrink_as_the_context_they_attend_grows(runner):
+    """Where prefills are exact, a chunk holds fewer tokens the more positions its rows attend: none does more
+    work than the first (rows times linear layers and attention, in units of one row's linear layers, with a
+    row's attention over CONTEXT positions costing as much as them), and together they prefill the prompt."""
+    engine = engine_of(runner, budget=None, exact=True)
+    admission = engine.begin(Sequence("long", runner.tokenizer.encode(SYSTEM), SamplingParams(), 1))
+    ends = [0]
+    while not engine.advance(admission):
+        ends.append(admission.done)
+    ends.append(admission.done)
+    chunks = [(start, end - start) for start, end in zip(ends, ends[1:]) if end > start]
+    sizes = [size for _, size in chunks]
+    assert sum(sizes) == len(admission.ids)
+    assert sizes[0] == CHUNK and sizes == sorted(sizes, reverse=True) and sizes[-2] < CHUNK // 2
+
+    def work(rows: int, start: int) -> float:
+        return rows * (1 + (start + rows / 2) / CONTEXT)
+
+    assert all(work(size, start) <= work(CHUNK, 0) < work(size + 1, start) for start, size in chunks[:-1])
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -274,6 +297,6 @@ def test_a_prompt_larger_than_the_budget_decodes_uncached_and_says_so_once(targe
 
 def test_a_budget_below_one_block_is_a_config_error_naming_the_minimum():
     config = Config.model_validate({"model": INT4.model_dump(), "speculation": {"drafter": "none"},
-                                    "prefill": {"chunk_tokens": 16, "cache_bytes": 100}})
+                                    "prefill": {"chunk_tokens": 16, "cache_block_tokens": 16, "cache_bytes": 100}})
     with pytest.raises(ValueError, match=r"holds no block: one block of 16 tokens takes \d+ bytes"):
         build_engine(config)

@@ -228,6 +228,13 @@ class ModelRunner:
     def head_dim(self) -> int:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
+    def projection_to_attention_macs(self) -> float:
+        """A token's multiply-adds in the decoder's projections (q, k, v, o and a gated MLP) over those its attention
+        does for each position it attends (its score and its share of the weighted sum): the context at which
+        the two are equal."""
+        c, q, kv = self.config, self.config.num_attention_heads * self.head_dim, self.config.num_key_value_heads * self.head_dim
+        return (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size) / (2 * q)
+
     def token_bytes(self, features: bool) -> int:
         """Bytes one position's keys and values take in every layer, plus its hidden state with `features`."""
         size = torch.finfo(self.dtype).bits // 8
