@@ -1,7 +1,8 @@
 """What a step costs on each step kind (model.step: eager, static, compiled): ms per plain step, per verify
 pass of k tokens and per draft step of the model drafters, interleaved in one run so that every kind sees
 the same machine; with --prefill, tokens/s of whole prefills; with --llama-cpp, llama.cpp's figures for the
-same GGUF file and threads from llama-bench, in the same run (after ours).
+same GGUF file and threads from llama-bench, in the same run (after ours); with --chunk-rows, exact prefill
+chunks (row-invariant) of each size at each of --chunk-contexts, fitted to what prefill.attention_mac_cost weighs.
 
 Where the real weights cannot go (a GPU machine takes 64 MiB), --shapes builds a registry model's exact
 architecture with random weights: a pass costs what its shapes cost, whatever the values. --acceptance
@@ -12,6 +13,8 @@ combination (a tree's pass is taken as wide as it is deep, so trees come out a l
     python -m specdec_tools.step_costs --config configs/default.yaml --lengths 1,2,4,8 --reps 10
     python -m specdec_tools.step_costs --config configs/default.yaml --steps eager,static \\
         --lengths 1,2,4,8,16,32,64 --prefill 512,2048 --llama-cpp /work/llama-native --out step-costs.json
+    python -m specdec_tools.step_costs --config configs/default.yaml --steps static --lengths 1 \\
+        --chunk-rows 16,32,48,64,96,128 --chunk-contexts 0,256,1024,2048,3000 --reps 3 --out chunk-costs.json
     python -m specdec_tools.step_costs --shapes qwen2.5-coder-1.5b --draft-shapes qwen2.5-coder-0.5b \\
         --device cuda --lengths 1,2,4,8,16,32,64 \\
         --acceptance docs/benchmarks/qwen2.5-coder-1.5b-int4-workloads-t0/results.json --out step-costs.json
@@ -134,6 +137,40 @@ def prefill_rates(runners: dict[str, ModelRunner], lengths: list[int], reps: int
     return {step: {n: n / statistics.median(times[(step, n)]) for n in lengths} for step in runners}
 
 
+def chunk_costs(runner: ModelRunner, rows: list[int], contexts: list[int], reps: int) -> dict:
+    """Median ms of an exact (row-invariant) prefill chunk of each of `rows` tokens after each of `contexts`, and
+    their least-squares fit ms = a n + b n (p + n / 2) + c over n rows at context p: a row's linear layers, its
+    attention over its positions, and the pass. At a / b positions a row's attention costs as much as its linear
+    layers, so one multiply-add of the attention costs `attention_mac_cost` of the linear layers' (the
+    projections' multiply-adds over the attention's per position, over a / b): prefill.attention_mac_cost."""
+    timed = timer(runner.device)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, runner.vocab_size, (1, max(contexts) + max(rows)), generator=generator).to(runner.device)
+    cache = runner.new_cache()
+    cache.reserve(1, ids.shape[1])
+    passes = []
+    for context in tqdm(sorted(contexts), desc="chunks"):
+        for start in range(int(cache.lengths[0]), context, max(rows)):  # the context, prefilled as the engine does
+            runner.forward(cache, ids[:, start : min(start + max(rows), context)], commit=True, last_logits_only=True,
+                           row_invariant=True)
+        for n in rows:
+            times = []
+            for rep in range(PREFILL_WARMUP + reps):
+                seconds = timed(runner.forward, cache, ids[:, context : context + n], last_logits_only=True, row_invariant=True)
+                cache.commit(torch.zeros(1, n, dtype=torch.bool, device=runner.device))  # rolled back: the context stays
+                if rep >= PREFILL_WARMUP:
+                    times.append(seconds)
+            passes.append({"rows": n, "context": context, "ms": 1e3 * statistics.median(times)})
+    shape = np.array([[c["rows"], c["rows"] * (c["context"] + c["rows"] / 2), 1.0] for c in passes])
+    (per_row, per_row_position, per_pass), *_ = np.linalg.lstsq(shape, np.array([c["ms"] for c in passes]), rcond=None)
+    parity = per_row / per_row_position
+    return {
+        "passes": passes,
+        "fit": {"ms_per_row": per_row, "ms_per_row_position": per_row_position, "ms_per_pass": per_pass,
+                "parity_context": parity, "attention_mac_cost": runner.projection_to_attention_macs() / parity},
+    }
+
+
 def draft_costs(target: ModelRunner, drafts: dict[str, ModelRunner] | None, context: int, reps: int) -> dict:
     """Median ms per draft step: a draft model's one-token pass on each step kind (`drafts`, as on_steps makes
     them), one level of the EAGLE network, one forward of four Medusa heads (both eager: they run on the eager
@@ -230,6 +267,7 @@ def measure(args) -> dict:
         raise SystemExit(f"step_costs: --steps takes {', '.join(STEPS)}, not {', '.join(unknown)}")
     lengths = [int(k) for k in args.lengths.split(",")]
     prefill_lengths = [int(n) for n in args.prefill.split(",") if n]
+    chunk_rows = [int(n) for n in args.chunk_rows.split(",") if n]
     if args.shapes and args.llama_cpp:
         raise SystemExit("step_costs: --llama-cpp runs the GGUF file of --config's target: not with --shapes")
     llama_cpp = None
@@ -254,6 +292,7 @@ def measure(args) -> dict:
     passes = pass_costs(runners, lengths, args.context, args.reps)
     drafts = draft_costs(target, draft_runners, args.context, args.reps)
     prefills = prefill_rates(runners, prefill_lengths, args.reps) if prefill_lengths else {}
+    chunks = chunk_costs(runners[steps[0]], chunk_rows, [int(p) for p in args.chunk_contexts.split(",")], args.reps) if chunk_rows else None
     result = {
         **what, "kernel_family": vnni.family(), "device": str(target.device), "device_name": _device_name(target.device),
         "row_invariant": target.row_invariant, "context": args.context, "reps": args.reps,
@@ -261,7 +300,7 @@ def measure(args) -> dict:
         "verify_over_plain": {step: {k: ms / by_k[lengths[0]] for k, ms in by_k.items()} for step, by_k in passes.items()},
         "eager_over": {step: {k: passes["eager"][k] / ms for k, ms in by_k.items()} for step, by_k in passes.items()}
         if "eager" in passes else None,
-        "prefill_tokens_per_s": prefills, "warm_up_s": warm_up_s,
+        "prefill_tokens_per_s": prefills, "warm_up_s": warm_up_s, "chunk_costs": chunks,
     }
     if llama_cpp:
         result["llama_cpp"], prefills["llama.cpp"] = llama_cpp_rows(*llama_cpp, lengths, prefill_lengths, args.reps)
@@ -333,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--acceptance", type=Path, help="a bench run's results.json: price its methods at these costs")
     parser.add_argument("--prefill", default="", help="comma-separated prompt lengths: tokens/s of a prefill of each")
+    parser.add_argument("--chunk-rows", default="", help="comma-separated chunk sizes: ms of an exact prefill chunk of each, at each --chunk-contexts, fitted")
+    parser.add_argument("--chunk-contexts", default="0,1024,2048,3000", help="comma-separated tokens already in the cache, for --chunk-rows")
     parser.add_argument(
         "--llama-cpp", type=Path, metavar="DIR",
         help="add llama.cpp's figures from llama-bench in DIR (python -m specdec_tools.bench.llama_cpp build DIR) on "
