@@ -326,13 +326,28 @@ def test_amx_outputs_equal_vnni_outputs(precision: str, dtype: str, rows: int):
     assert (on_tiles.double() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
+@pytest.fixture(params=[1, 2])
+def register_blocks(request):
+    """The AVX-512 kernel's short passes in register blocks of 1 and of 2 16-row blocks (vnni.register_blocks
+    chooses one by this CPU's speed); set back after the test."""
+    kernels = [vnni.family_kernel(name) for name in FAMILIES_HERE]
+    kernels = [kernel for kernel in kernels if hasattr(kernel, "set_register_blocks")]
+    saved = [kernel.register_blocks() for kernel in kernels]
+    for kernel in kernels:
+        kernel.set_register_blocks(request.param)
+    yield request.param
+    for kernel, blocks in zip(kernels, saved):
+        kernel.set_register_blocks(blocks)
+
+
 @needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
-def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dtype: str):
-    """Each family (and AMX tiles, where they run) gives every row of a pass of 1 to 64 rows exactly what a
-    one-row pass on any other path gives: the integer sums (checked against the quantization math) and the
-    outputs, bit for bit. So text does not depend on the batch, the pass, nor the CPU's kernel family."""
+def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dtype: str, register_blocks: int):
+    """Each family (and AMX tiles, where they run), the AVX-512 one in register blocks of either size, gives
+    every row of a pass of 1 to 64 rows exactly what a one-row pass on any other path gives: the integer sums
+    (checked against the quantization math) and the outputs, bit for bit. So text does not depend on the batch,
+    the pass, nor the CPU's kernel family."""
     layer = packed_layer(precision, 48, 352, seed=9)
     x = (torch.randn(64, 352) * 3).to(DTYPES[dtype])
     paths = [(vnni.family_kernel(name), False) for name in FAMILIES_HERE]

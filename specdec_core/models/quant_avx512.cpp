@@ -114,11 +114,13 @@ struct Simd {
 namespace {
 
 constexpr int64_t kTokens = 8;  // activation rows per register block
-// 16-row blocks per register block of at most kTokens / kBlocks rows (decode and short verify passes): a row's codes
-// are broadcast once for both, and two weight streams are in flight (1-4 rows: 0.85-0.98x the time of one block at a
-// time). With more rows two blocks' sums and accumulators outgrow the 32 registers (8 rows: 1.17x), so those take
-// one block at a time. docs/QUANT.md.
-constexpr int64_t kBlocks = 2;
+// 16-row blocks per register block of at most kTokens / 2 rows (decode and short verify passes), chosen at start
+// (vnni.register_blocks, by timing both): 2 broadcasts a row's codes once for both and keeps two weight streams in
+// flight (on a Xeon, 1-4 rows: 0.85-0.98x the time of one block at a time); on an AMD EPYC (Zen 4) one block at a
+// time is faster (one row of 8960 x 1536: 0.18 against 0.28 ms). With more rows two blocks' sums and accumulators
+// outgrow the 32 registers (8 rows: 1.17x), so those take one block at a time. docs/QUANT.md.
+constexpr int64_t kMostBlocks = 2;
+std::atomic<int64_t> register_blocks{kMostBlocks};
 
 // VNNI: `tokens` (<= kTokens) activation rows starting at t0, `blocks` 16-row blocks from nb. A row's 4 codes are
 // broadcast once for all the blocks, and every row's sums are in flight at once.
@@ -165,17 +167,17 @@ void block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogu
 
 template <int bits, typename Epilogue>
 void vnni_pass(const PassInputs& in, const Epilogue& e) {
-  const int64_t blocks = in.n / kRows;
-  at::parallel_for(0, (blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = in.n / kRows, together = register_blocks.load(std::memory_order_relaxed);
+  at::parallel_for(0, (blocks + together - 1) / together, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t nb = pair * kBlocks;
+      const int64_t nb = pair * together;
       for (int64_t t0 = 0; t0 < in.m; t0 += kTokens) {
         with_count<kTokens>(std::min(kTokens, in.m - t0), [&](auto tokens) {
           constexpr int count = decltype(tokens)::value;
-          if (count * kBlocks <= kTokens && nb + kBlocks <= blocks) {
-            block<bits, count, kBlocks>(in, t0, nb, e);
+          if (together == kMostBlocks && count * kMostBlocks <= kTokens && nb + kMostBlocks <= blocks) {
+            block<bits, count, kMostBlocks>(in, t0, nb, e);
           } else {
-            for (int64_t b = nb; b < std::min(nb + kBlocks, blocks); ++b) block<bits, count, 1>(in, t0, b, e);
+            for (int64_t b = nb; b < std::min(nb + together, blocks); ++b) block<bits, count, 1>(in, t0, b, e);
           }
         });
       }
@@ -291,7 +293,15 @@ bool amx_enable() {
   return tiles_granted;
 }
 
+void set_register_blocks(int64_t blocks) {
+  TORCH_CHECK(blocks == 1 || blocks == kMostBlocks, "register blocks: 1 or ", kMostBlocks, ", not ", blocks);
+  register_blocks.store(blocks, std::memory_order_relaxed);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   QUANT_KERNEL_MODULE(module);
   module.def("amx_enable", &amx_enable, "ask Linux for the AMX tile state (once); whether the AMX path may run");
+  module.def("set_register_blocks", &set_register_blocks,
+             "16-row blocks a short pass's register block holds: 1 or 2 (the same bits, a CPU's own speed)");
+  module.def("register_blocks", [] { return register_blocks.load(std::memory_order_relaxed); }, "set_register_blocks' value");
 }

@@ -21,6 +21,8 @@ import functools
 import logging
 import math
 import os
+import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,7 +128,39 @@ def family_kernel(name: str) -> ModuleType | None:
     kernel = build(chosen.name, chosen.source, list(chosen.compile_flags), f"the {chosen.title} kernel")
     if kernel is None:
         log.warning("quantize: using torch's int4 / int8 kernels, which are slower")
+    elif hasattr(kernel, "set_register_blocks"):
+        kernel.set_register_blocks(register_blocks(kernel))
     return kernel
+
+
+# What register_blocks times: one-row passes of a gate/up-sized int4 layer, over copies that outgrow the CPU's
+# caches (a decode step reads its weights from memory), interleaved round by round.
+BLOCKS_LAYER, BLOCKS_COPIES, BLOCKS_ROUNDS = (8960, 1536), 8, 15
+
+
+def register_blocks(kernel: ModuleType) -> int:
+    """The AVX-512 kernel's 16-row blocks per register block in short passes, 1 or 2, whichever passes one row
+    faster on this CPU (timed here, logged): on a Xeon 2 (two weight streams in flight), on an AMD EPYC (Zen 4) 1,
+    where 2 took 1.5x the time of a 8960 x 1536 layer (docs/QUANT.md). The same bits either way."""
+    generator = torch.Generator().manual_seed(0)
+    n, k = BLOCKS_LAYER
+    codes = torch.randint(0, 16, (n, k), generator=generator)
+    scales = torch.rand(n, k // GROUP_SIZE, generator=generator) / 16
+    packed, scale_min = pack(codes, scales, -8 * scales, bits=4)
+    layers = [(packed.clone(), scale_min.clone()) for _ in range(BLOCKS_COPIES)]
+    x = torch.randn(1, k, generator=generator)
+    seconds = {1: [], 2: []}
+    for _ in range(BLOCKS_ROUNDS):
+        for blocks, times in seconds.items():
+            kernel.set_register_blocks(blocks)
+            start = time.perf_counter()
+            for weights, scale_and_min in layers:
+                kernel.mm(x, weights, scale_and_min, False)
+            times.append(time.perf_counter() - start)
+    chosen = min(seconds, key=lambda blocks: statistics.median(seconds[blocks]))
+    log.info("quantize: short passes in register blocks of %d x 16 rows (one row of %d x %d: %.3f ms against %.3f ms)",
+             chosen, n, k, *(1e3 * statistics.median(seconds[b]) / BLOCKS_COPIES for b in (chosen, 3 - chosen)))
+    return chosen
 
 
 def extension() -> ModuleType | None:
