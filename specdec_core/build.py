@@ -41,14 +41,15 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     # kernel at every length anyway, and the row-invariant attention took 1.11x SDPA's time over a 2,048-token
     # prompt in chunks of 128 (docs/benchmarks/NOTES.md, issue 31). With AMX the kernel would cost 2.3x the prefill.
     exact = target.row_invariant and long_passes_on_kernel(target.model)
+    chunk_tokens = prefill.chunk_tokens_for(exact)
     cache = None
     if prefill.cache:
-        block_tokens = prefill.cache_block_tokens if exact else prefill.chunk_tokens_for(exact)
+        block_tokens = prefill.cache_block_tokens if exact else chunk_tokens
         block_bytes = block_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
         cache = PrefixCache(block_tokens, prefill.cache_bytes, block_bytes)
     # Exact prefills attend with the row-invariant attention, which costs a chunk more the more context it attends
     # (docs/benchmarks/NOTES.md): there chunks shrink as their context grows, with the attention's multiply-adds
     # weighed against the linear kernel's by measurement.
     context = round(target.projection_to_attention_macs() / prefill.attention_mac_cost) if exact else None
-    return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, prefill.chunk_tokens_for(exact), cache,
+    return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, chunk_tokens, cache,
                   grammar_draft_tokens=config.grammar.draft_tokens, exact_prefill=exact, chunk_context_tokens=context)

@@ -124,9 +124,9 @@ class PrefillConfig(Section):
     # AMX (bf16 weights kept, stall-in-place-join*.json), while a 2,940-token prompt was admitted a running stream's
     # longest gap was 0.45-0.47 s in chunks of 128 (8x the step) against 0.55-0.61 s at 192 (up to 11x; the goal is
     # 10x). Without AMX, where prefills are exact on the int8 kernel and the row-invariant attention
-    # (prefix-cache/chunk-costs-epyc.json), a chunk of n rows at context p took 4.8 ms * n + 2.3 us * n * (p + n / 2):
-    # 0.32 s for 64 rows at the start, 1.55 s for 128 at 3,000 positions. Each chunk reads every weight once, so
-    # smaller chunks prefill slower.
+    # (prefix-cache/chunk-costs-epyc.json), a chunk of n rows at context p took 4.6 ms * n + 2.7 us * n * (p + n / 2)
+    # + 18 ms: 0.24 s for 48 rows at the start, 1.67 s for 128 at 3,000 positions. Each chunk reads every weight
+    # once, so smaller chunks prefill slower.
     chunk_tokens: int | None = Field(None, ge=16, description="Prompt tokens per prefill pass: running streams get a step between a long prompt's chunks (smaller bounds the stall, larger prefills faster); null: 128 on CPUs with AMX, where the prefix cache keeps whole chunks, else 48 at a prompt's start, fewer as the context grows (attention_mac_cost)")
     attention_mac_cost: float = Field(8.0, gt=0, description="Where prefills are exact (quantized targets on CPUs without AMX): what a multiply-add of the row-invariant attention costs against one of the int8 linear kernel (measured 7.3-9.0 on AVX-512 VNNI: step_costs --chunk-rows), so that chunks hold fewer tokens the more context they attend and none costs more than a prompt's first")
     cache: bool = Field(True, description="Keep prefilled (and, where prefills are exact, decoded) keys and values (the prefix cache), so a prompt that begins as an earlier one did prefills only the rest, with the same text as without")
