@@ -8,6 +8,7 @@ instead.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +19,16 @@ import torch
 log = logging.getLogger("specdec")
 
 
-def cpu_flags() -> set[str]:
-    """The flags /proc/cpuinfo gives this CPU (empty where it cannot be read)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo gives this CPU (empty where it cannot be read), read once: a read costs tens of
+    microseconds (Linux samples every core's clock for it), and the attention kernel's lookup asks once a layer."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+    return frozenset(line.split(":", 1)[-1].split())
 
 
 def build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | None:
