@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -412,28 +413,55 @@ def isa_chosen_anew():
 
 
 @needs_avx512
-@pytest.mark.parametrize("cause", ["default", "no cpu flags", "permission refused"])
+@pytest.mark.parametrize("cause", ["forced avx512", "tiles slower", "no cpu flags", "permission refused"])
 def test_without_amx_every_pass_runs_on_vnni_and_says_why(cause: str, monkeypatch, caplog, isa_chosen_anew):
     spy = PathSpy(vnni.family_kernel("avx512"))
     monkeypatch.setattr(vnni, "family_kernel", lambda name: spy)
     monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.FAMILIES["avx512"].cpu_flags) | set(vnni.AMX_FLAGS))
-    if cause == "default":
+    monkeypatch.setattr(spy, "amx_enable", lambda: cause != "permission refused", raising=False)  # as if Linux grants it
+    monkeypatch.setattr(vnni, "tiles_faster", lambda kernel: cause != "tiles slower")
+    if cause == "forced avx512":
+        monkeypatch.setenv(vnni.ISA_ENV, "avx512")
+    elif cause == "tiles slower":
         monkeypatch.delenv(vnni.ISA_ENV, raising=False)
     else:
         monkeypatch.setenv(vnni.ISA_ENV, "amx")
     if cause == "no cpu flags":
         monkeypatch.setattr(vnni, "_cpu_flags", lambda: set(vnni.FAMILIES["avx512"].cpu_flags))
-    elif cause == "permission refused":
-        monkeypatch.setattr(spy, "amx_enable", lambda: False, raising=False)
     with caplog.at_level(logging.INFO, logger="specdec"):
         assert not vnni.amx()
     layer = packed_layer("int4", 32, 64, seed=7)
-    x = torch.randn(6, 64)
+    x = torch.randn(vnni.AMX_MIN_ROWS, 64)
     together = layer(x)
     assert spy.tiles == [False]
     assert torch.equal(layer(x[2:3]), together[2:3])
-    reason = {"default": "SPECDEC_ISA=unset", "no cpu flags": "lacks amx_tile, amx_int8", "permission refused": "refused"}[cause]
+    reason = {"forced avx512": "SPECDEC_ISA=avx512", "tiles slower": "AMX tiles slower here", "no cpu flags": "lacks amx_tile, amx_int8",
+              "permission refused": "refused"}[cause]
     assert reason in caplog.text and "on AVX-512 VNNI" in caplog.text
+
+
+@needs_amx
+def test_with_isa_unset_the_tiles_take_passes_where_they_are_faster(monkeypatch, caplog, isa_chosen_anew):
+    """The control of the test above: the same choice, the tiles faster, takes them from AMX_MIN_ROWS rows."""
+    monkeypatch.delenv(vnni.ISA_ENV, raising=False)
+    spy = PathSpy(vnni.family_kernel("avx512"))
+    monkeypatch.setattr(vnni, "family_kernel", lambda name: spy)
+    monkeypatch.setattr(vnni, "tiles_faster", lambda kernel: True)
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert vnni.amx()
+    layer = packed_layer("int4", 32, 64, seed=7)
+    layer(torch.randn(vnni.AMX_MIN_ROWS - 1, 64))
+    layer(torch.randn(vnni.AMX_MIN_ROWS, 64))
+    assert spy.tiles == [False, True]
+    assert "SPECDEC_ISA unset, faster here" in caplog.text
+
+
+@needs_amx
+def test_tiles_faster_times_both_paths_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        faster = vnni.tiles_faster(vnni.family_kernel("avx512"))
+    on_tiles, on_vnni = (float(ms) for ms in re.findall(r"([0-9.]+) ms on", caplog.text))
+    assert faster == (on_tiles < on_vnni)
 
 
 def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch, isa_chosen_anew):

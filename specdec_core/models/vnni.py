@@ -5,9 +5,9 @@ chosen at start from the CPU flags.
 torch's CPU int4 kernel converts every weight to a float per token, and its int8 kernel multiplies
 in floats too; this one multiplies integer codes, as llama.cpp does: on AVX-512 VNNI with
 `vpdpbusd`, on AVX2 with `vpmaddubsw` (or with AVX-VNNI's `vpdpbusd` on ymm where the CPU has it
-and lacks AVX-512 VNNI), and, where SPECDEC_ISA=amx asks, passes of AMX_MIN_ROWS to
-DEQUANTIZE_ROWS - 1 rows (verification, short prefills) with `tdpbsud` on AMX tiles (measured slower
-than VNNI on a Xeon with AMX, so off by default; docs/QUANT.md has the per-layer costs). Every path
+and lacks AVX-512 VNNI), and passes of AMX_MIN_ROWS to DEQUANTIZE_ROWS - 1 rows (verification,
+short prefills) with `tdpbsud` on AMX tiles where the CPU has them and they are faster there (timed at
+start; one Xeon's tiles lost to VNNI, another's win from 12 rows; docs/QUANT.md has the costs). Every path
 computes bit-identical results, so a row's result never depends on the pass, nor on the CPU.
 Weights are group-wise, w = q * scale + min per 32 inputs, in one packed layout for every family
 (named after VNNI's operands). A family is compiled once per machine with torch's extension builder
@@ -23,7 +23,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +67,10 @@ FAMILIES = {
 AMX_FLAGS = ("amx_tile", "amx_int8")
 # SPECDEC_ISA forces the path of the integer passes: "avx2", "avxvnni" or "avx512" (every pass on that family's dot
 # products), or "amx" (the avx512 family, with passes of AMX_MIN_ROWS rows or more on AMX-INT8 tiles where
-# the CPU has them). Unset, the widest family the CPU runs, without tiles: on a Xeon with AMX (2 threads) the
-# tiles lost to VNNI at every pass of 2 to 512 rows, at 8 rows 1.3-1.9x its time (docs/QUANT.md, "AMX,
-# measured"), because each group of 32 inputs ends in a float epilogue.
+# the CPU has them). Unset, the widest family the CPU runs, and the tiles where they run and pass TILES_ROWS rows
+# faster than VNNI does (`tiles_faster`, timed at start): on one Xeon with AMX they lost at every length (a tile
+# store and a float epilogue per group of 32 inputs; docs/QUANT.md, "AMX, measured"), on another they win from 12
+# rows ("AMX tiles for verify passes").
 ISA_ENV = "SPECDEC_ISA"
 ISAS = ("avx2", "avxvnni", "avx512", "amx")
 # Where the CPU multiplies bf16 on AMX tiles (`dequantizes_long_passes`), from this many rows (a long prompt's
@@ -86,8 +87,11 @@ DEQUANTIZE_ROWS_KEPT_AMX = 48
 # pass): it takes the kernel at any number of rows, since the bf16 GEMM past DEQUANTIZE_ROWS rounds otherwise.
 # A module global, not a context variable, so that a compiled step's guards see it.
 row_invariant_pass = False
-# With SPECDEC_ISA=amx, from this many rows a pass runs on AMX tiles (one-token decode stays on VNNI).
-AMX_MIN_ROWS = 2
+# Where the tiles are chosen, from this many rows a pass runs on them: on a Xeon with AMX (2 threads) a pass of the
+# 1.5B's layers took 1.12-1.15x VNNI's time at 8 rows, 0.89-1.04x at 12, 0.81-0.90x at 16 (docs/QUANT.md).
+AMX_MIN_ROWS = 12
+# The rows of the pass tiles_faster times: where the tiles win at all, they win here.
+TILES_ROWS = 16
 
 
 _cpu_flags = cpu_flags  # a module attribute, so that tests can stand in another CPU
@@ -133,34 +137,49 @@ def family_kernel(name: str) -> ModuleType | None:
     return kernel
 
 
-# What register_blocks times: one-row passes of a gate/up-sized int4 layer, over copies that outgrow the CPU's
-# caches (a decode step reads its weights from memory), interleaved round by round.
+# What register_blocks and tiles_faster time: passes of a gate/up-sized int4 layer, over copies that outgrow the
+# CPU's caches (a decode step reads its weights from memory), interleaved round by round.
 BLOCKS_LAYER, BLOCKS_COPIES, BLOCKS_ROUNDS = (8960, 1536), 8, 15
 
 
-def register_blocks(kernel: ModuleType) -> int:
-    """The AVX-512 kernel's 16-row blocks per register block in short passes, 1 or 2, whichever passes one row
-    faster on this CPU (timed here, logged): on a Xeon 2 (two weight streams in flight), on an AMD EPYC (Zen 4) 1,
-    where 2 took 1.5x the time of a 8960 x 1536 layer (docs/QUANT.md). The same bits either way."""
+def _pass_ms(kernel: ModuleType, rows: int, variants: dict[object, Callable[[], None]]) -> dict[object, float]:
+    """Each variant's median time (ms) for a pass of `rows` rows through BLOCKS_LAYER on `kernel`, with tiles where
+    the variant's setup returns True; the variants interleaved round by round."""
     generator = torch.Generator().manual_seed(0)
     n, k = BLOCKS_LAYER
     codes = torch.randint(0, 16, (n, k), generator=generator)
     scales = torch.rand(n, k // GROUP_SIZE, generator=generator) / 16
     packed, scale_min = pack(codes, scales, -8 * scales, bits=4)
     layers = [(packed.clone(), scale_min.clone()) for _ in range(BLOCKS_COPIES)]
-    x = torch.randn(1, k, generator=generator)
-    seconds = {1: [], 2: []}
+    x = torch.randn(rows, k, generator=generator)
+    seconds: dict[object, list[float]] = {variant: [] for variant in variants}
     for _ in range(BLOCKS_ROUNDS):
-        for blocks, times in seconds.items():
-            kernel.set_register_blocks(blocks)
+        for variant, setup in variants.items():
+            tiles = bool(setup())
             start = time.perf_counter()
             for weights, scale_and_min in layers:
-                kernel.mm(x, weights, scale_and_min, False)
-            times.append(time.perf_counter() - start)
-    chosen = min(seconds, key=lambda blocks: statistics.median(seconds[blocks]))
+                kernel.mm(x, weights, scale_and_min, tiles)
+            seconds[variant].append(time.perf_counter() - start)
+    return {variant: 1e3 * statistics.median(times) / BLOCKS_COPIES for variant, times in seconds.items()}
+
+
+def register_blocks(kernel: ModuleType) -> int:
+    """The AVX-512 kernel's 16-row blocks per register block in short passes, 1 or 2, whichever passes one row
+    faster on this CPU (timed here, logged): on a Xeon 2 (two weight streams in flight), on an AMD EPYC (Zen 4) 1,
+    where 2 took 1.5x the time of a 8960 x 1536 layer (docs/QUANT.md). The same bits either way."""
+    ms = _pass_ms(kernel, 1, {blocks: functools.partial(kernel.set_register_blocks, blocks) for blocks in (1, 2)})
+    chosen = min(ms, key=ms.get)
     log.info("quantize: short passes in register blocks of %d x 16 rows (one row of %d x %d: %.3f ms against %.3f ms)",
-             chosen, n, k, *(1e3 * statistics.median(seconds[b]) / BLOCKS_COPIES for b in (chosen, 3 - chosen)))
+             chosen, *BLOCKS_LAYER, ms[chosen], ms[3 - chosen])
     return chosen
+
+
+def tiles_faster(kernel: ModuleType) -> bool:
+    """Whether AMX tiles pass TILES_ROWS rows faster than VNNI on this CPU (timed here, logged). The same bits
+    either way; only the speed differs between Xeons (docs/QUANT.md)."""
+    ms = _pass_ms(kernel, TILES_ROWS, {tiles: (lambda tiles=tiles: tiles) for tiles in (False, True)})
+    log.info("quantize: %d rows of %d x %d: %.3f ms on AMX tiles, %.3f ms on VNNI", TILES_ROWS, *BLOCKS_LAYER, ms[True], ms[False])
+    return ms[True] < ms[False]
 
 
 def extension() -> ModuleType | None:
@@ -183,13 +202,21 @@ def amx_missing() -> str | None:
 
 @functools.cache
 def _tiles_chosen() -> bool:
-    """Whether passes of AMX_MIN_ROWS rows or more run on AMX tiles: SPECDEC_ISA=amx where they can run. Logged once."""
-    if isa() == "amx" and amx_missing() is None:
-        log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s=amx), one-token passes on AVX-512 VNNI",
-                 AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, ISA_ENV)
-        return True
+    """Whether passes of AMX_MIN_ROWS rows or more run on AMX tiles: where they can run, SPECDEC_ISA=amx or, with
+    SPECDEC_ISA unset, where they are faster here. Logged once."""
+    if isa() in ("amx", None) and family() == "avx512" and amx_missing() is None:
+        reason = f"{ISA_ENV}=amx" if isa() == "amx" else f"{ISA_ENV} unset, faster here"
+        if isa() == "amx" or tiles_faster(extension()):
+            log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s), shorter ones on AVX-512 VNNI",
+                     AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, reason)
+            return True
     if family() is not None:
-        reason = f"{ISA_ENV}=amx, but {amx_missing()}" if isa() == "amx" else f"{ISA_ENV}={isa() or 'unset'}"
+        if isa() == "amx":
+            reason = f"{ISA_ENV}=amx, but {amx_missing()}"
+        elif isa() is None and family() == "avx512" and amx_missing() is None:
+            reason = f"{ISA_ENV} unset, AMX tiles slower here"
+        else:
+            reason = f"{ISA_ENV}={isa() or 'unset'}"
         log.info("quantize: %s on %s (%s)", f"passes below {DEQUANTIZE_ROWS} rows" if dequantizes_long_passes() else "every pass",
                  FAMILIES[family()].title, reason)
     return False
