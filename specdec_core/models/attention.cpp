@@ -1,10 +1,10 @@
 // Row-invariant attention (attention.py): each query row against its own list of key slots.
 //
-// One task per (query row, key head). The scores are dot products with 16 float lanes summed in a
-// fixed tree, the softmax and the weighted sum of values run over the row's slots in their order, and
-// a task is computed whole by one thread. So a row's output depends only on its query, its keys and
-// values in token order, and nothing else: not the pass length, the other rows, the slot layout or the
-// thread count. Inputs are float32 or bfloat16; the arithmetic is float32. The softmax's exponentials are our
+// For each query row and key head, the scores are dot products with 16 float lanes summed in a fixed tree, and
+// the softmax and the weighted sum of values run over the row's slots in their order, computed whole by one
+// thread (one task per key head and block of up to 16 rows, which read the keys they share once). So a row's
+// output depends only on its query, its keys and values in token order, and nothing else: not the pass length,
+// the other rows, the slot layout or the thread count. Inputs are float32 or bfloat16; the arithmetic is float32. The softmax's exponentials are our
 // own polynomial (exp_nonpositive), eight at a time, where the C library's took one at a time and were half
 // the kernel's time; each key and value row is converted to floats once for all its query heads.
 #include <torch/extension.h>
@@ -148,11 +148,13 @@ inline float exponentiate(float* s, int64_t n, float top) {
   return total;
 }
 
-// acc[g][t] += weights[g][j] * value_j[t] for every group g < groups, j in order, value_j the row at value(j);
-// weights [groups, n], acc [groups, dim]. Each value row is converted to floats once for all the groups
-// (the key head's query heads), which share it.
+// acc[g][t] += weights[g][j] * value_j[t] for every group g < groups, j from `from_j` to `to_j` in order, value_j the
+// row at value(j); weights[g] a group's weights by j, acc [groups, dim]. Each value row is converted to floats once
+// for all the groups (query heads, of one or several query rows), which share it. Sums over consecutive ranges of
+// j, one call each, are the sum over all of them in one call: acc goes through memory between them either way.
 template <typename T, typename Value>
-void weighted_sums(const float* weights, int64_t groups, int64_t n, Value value, int64_t dim, float* acc) {
+void weighted_sums(const float* const* weights, int64_t groups, int64_t from_j, int64_t to_j, Value value, int64_t dim,
+                   float* acc) {
   int64_t from = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   // 16 outputs of up to kSweep groups at a time, their sums in registers; each value row loaded once for them.
@@ -162,9 +164,9 @@ void weighted_sums(const float* weights, int64_t groups, int64_t n, Value value,
         constexpr int G = decltype(count)::value;
         Sixteen sums[G];
         for (int g = 0; g < G; ++g) sums[g] = Sixteen::load(acc + (g0 + g) * dim + from);
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = from_j; j < to_j; ++j) {
           const Sixteen v = Sixteen::load(value(j) + from);
-          for (int g = 0; g < G; ++g) sums[g] = sums[g].fmadd(Sixteen::broadcast(weights[(g0 + g) * n + j]), v);
+          for (int g = 0; g < G; ++g) sums[g] = sums[g].fmadd(Sixteen::broadcast(weights[g0 + g][j]), v);
         }
         for (int g = 0; g < G; ++g) sums[g].store(acc + (g0 + g) * dim + from);
       });
@@ -172,9 +174,9 @@ void weighted_sums(const float* weights, int64_t groups, int64_t n, Value value,
   }
 #endif
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = from_j; j < to_j; ++j) {
       const T* v = value(j);
-      const float w = weights[g * n + j];
+      const float w = weights[g][j];
       for (int64_t t = from; t < dim; ++t) acc[g * dim + t] = std::fma(w, static_cast<float>(v[t]), acc[g * dim + t]);
     }
   }
@@ -191,47 +193,82 @@ inline void prefetch_row(const T* row, int64_t dim, int hint) {
   }
 }
 
+// Query rows of one batch row and key head taken together: the keys and values they all attend (a pass's
+// context, before its own rows) are read and converted once for all of them.
+constexpr int64_t kRowBlock = 16;
+
 template <typename T>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                  const int64_t* slots, const int64_t* offsets, double scaling, torch::Tensor& out) {
   const int64_t batch = query.size(0), heads = query.size(1), length = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), groups = heads / kv_heads;
+  const int64_t kv_heads = key.size(1), groups = heads / kv_heads, blocks = (length + kRowBlock - 1) / kRowBlock;
   const T* q_data = query.data_ptr<T>();
   const T* k_data = key.data_ptr<T>();
   const T* v_data = value.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
-  at::parallel_for(0, batch * length * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), acc(groups * dim), key_row(dim), scores;
+  at::parallel_for(0, batch * blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, acc, key_row(dim), scores;
+    std::vector<float*> weights;  // each query row's and head's scores, then weights, by slot
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / kv_heads, h = task % kv_heads, b = row / length, i = row % length;
-      const int64_t first = offsets[row], n = offsets[row + 1] - first;
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t t = 0; t < dim; ++t)
-          q[g * dim + t] = static_cast<float>(q_data[b * qs[0] + (h * groups + g) * qs[1] + i * qs[2] + t * qs[3]]) * scaling;
-      scores.assign(groups * n, 0.f);
-      const auto key = [&](int64_t j) { return k_data + b * ks[0] + h * ks[1] + slots[first + j] * ks[2]; };
-      const auto value = [&](int64_t j) { return v_data + b * vs[0] + h * vs[1] + slots[first + j] * vs[2]; };
-      for (int64_t j = 0; j < n; ++j) {
-        const T* k = key(j);
-        if (j + kAhead < n) {  // a decode step finds its cache in memory, not in a core's caches: ask ahead
-          prefetch_row(key(j + kAhead), dim, _MM_HINT_T0);
-          prefetch_row(value(j + kAhead), dim, _MM_HINT_T1);  // for the weighted sums, after the softmax
+      const int64_t h = task % kv_heads, b = task / kv_heads / blocks, i0 = task / kv_heads % blocks * kRowBlock;
+      const int64_t rows = std::min(kRowBlock, length - i0);
+      const int64_t* first = offsets + b * length + i0;  // row r's slots: slots[first[r] : first[r + 1]]
+      // The slots every row of the block attends: the longest prefix their lists share.
+      int64_t shared = first[1] - first[0];
+      for (int64_t r = 1; r < rows; ++r) {
+        int64_t common = 0;
+        while (common < std::min(shared, first[r + 1] - first[r]) && slots[first[r] + common] == slots[first[0] + common]) ++common;
+        shared = common;
+      }
+      q.resize(rows * groups * dim);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t t = 0; t < dim; ++t)
+            q[(r * groups + g) * dim + t] =
+                static_cast<float>(q_data[b * qs[0] + (h * groups + g) * qs[1] + (i0 + r) * qs[2] + t * qs[3]]) * scaling;
+      // Row r's scores, [groups, n_r], from scores[groups * (first[r] - first[0])].
+      scores.assign(groups * (first[rows] - first[0]), 0.f);
+      weights.resize(rows * groups);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) weights[r * groups + g] = &scores[groups * (first[r] - first[0]) + g * (first[r + 1] - first[r])];
+      const auto key_of = [&](int64_t r, int64_t j) { return k_data + b * ks[0] + h * ks[1] + slots[first[r] + j] * ks[2]; };
+      const auto value_of = [&](int64_t r) {
+        return [&, r](int64_t j) { return v_data + b * vs[0] + h * vs[1] + slots[first[r] + j] * vs[2]; };
+      };
+      // Scores of rows `from`..`to` - 1 for their slots j_from..j_to - 1 (all of them attend those).
+      const auto score = [&](int64_t from, int64_t to, int64_t j_from, int64_t j_to) {
+        for (int64_t j = j_from; j < j_to; ++j) {
+          if (j + kAhead < j_to) {  // a decode step finds its cache in memory, not in a core's caches: ask ahead
+            prefetch_row(key_of(from, j + kAhead), dim, _MM_HINT_T0);
+            prefetch_row(value_of(from)(j + kAhead), dim, _MM_HINT_T1);  // for the weighted sums, after the softmax
+          }
+          const T* k = key_of(from, j);
+          for (int64_t t = 0; t < dim; ++t) key_row[t] = static_cast<float>(k[t]);  // exact: once for every group and row
+          for (int64_t r = from; r < to; ++r)
+            for (int64_t g = 0; g < groups; ++g)
+              weights[r * groups + g][j] = dot(&q[(r * groups + g) * dim], key_row.data(), dim);
         }
-        for (int64_t t = 0; t < dim; ++t) key_row[t] = static_cast<float>(k[t]);  // exact: once for every group
-        for (int64_t g = 0; g < groups; ++g) scores[g * n + j] = dot(&q[g * dim], key_row.data(), dim);
+      };
+      score(0, rows, 0, shared);
+      for (int64_t r = 0; r < rows; ++r) score(r, r + 1, shared, first[r + 1] - first[r]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = first[r + 1] - first[r];
+        for (int64_t g = 0; g < groups; ++g) {
+          float* s = weights[r * groups + g];
+          const float total = exponentiate(s, n, n ? *std::max_element(s, s + n) : 0.f);
+          for (int64_t j = 0; j < n; ++j) s[j] /= total;  // the weights
+        }
       }
-      for (int64_t g = 0; g < groups; ++g) {
-        float* s = &scores[g * n];
-        const float total = exponentiate(s, n, n ? *std::max_element(s, s + n) : 0.f);
-        for (int64_t j = 0; j < n; ++j) s[j] /= total;  // the weights
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      weighted_sums<T>(scores.data(), groups, n, value, dim, acc.data());
-      for (int64_t g = 0; g < groups; ++g) {
-        T* o = out_data + ((b * length + i) * heads + h * groups + g) * dim;
-        for (int64_t t = 0; t < dim; ++t) o[t] = static_cast<T>(acc[g * dim + t]);
-      }
+      acc.assign(rows * groups * dim, 0.f);
+      weighted_sums<T>(weights.data(), rows * groups, 0, shared, value_of(0), dim, acc.data());
+      for (int64_t r = 0; r < rows; ++r)
+        weighted_sums<T>(weights.data() + r * groups, groups, shared, first[r + 1] - first[r], value_of(r), dim, &acc[r * groups * dim]);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          T* o = out_data + ((b * length + i0 + r) * heads + h * groups + g) * dim;
+          for (int64_t t = 0; t < dim; ++t) o[t] = static_cast<T>(acc[(r * groups + g) * dim + t]);
+        }
     }
   });
 }
