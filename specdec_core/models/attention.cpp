@@ -4,9 +4,10 @@
 // the softmax and the weighted sum of values run over the row's slots in their order, computed whole by one
 // thread (one task per key head and block of up to 16 rows, which read the keys they share once). So a row's
 // output depends only on its query, its keys and values in token order, and nothing else: not the pass length,
-// the other rows, the slot layout or the thread count. Inputs are float32 or bfloat16; the arithmetic is float32. The softmax's exponentials are our
-// own polynomial (exp_nonpositive), eight at a time, where the C library's took one at a time and were half
-// the kernel's time; each key and value row is converted to floats once for all its query heads.
+// the other rows, the slot layout or the thread count. Inputs are float32 or bfloat16; the arithmetic is
+// float32. The softmax's exponentials are our own polynomial (exp_nonpositive), eight at a time, where the C
+// library's took one at a time and were half the kernel's time; each key and value row is converted to floats
+// once for all its query heads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

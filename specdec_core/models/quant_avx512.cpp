@@ -230,8 +230,8 @@ void amx_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* unpacked, 
     Simd::operands<4>(w + g * group_bytes<bits>(), 0, op);
     for (int i = 0; i < 8; ++i) _mm512_store_si512(unpacked + g * kOperandBytes + 64 * i, op[i]);
   };
-  if (bits == 4 && first) {
-    for (int64_t g = 0; g < std::min(kUnpackAhead, groups); ++g) unpack(g);
+  if constexpr (bits == 4) {
+    if (first) for (int64_t g = 0; g < std::min(kUnpackAhead, groups); ++g) unpack(g);
   }
   const auto issue = [&](auto slot, int64_t g) {
     constexpr int s = decltype(slot)::value;

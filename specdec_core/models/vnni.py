@@ -142,16 +142,23 @@ def family_kernel(name: str) -> ModuleType | None:
 BLOCKS_LAYER, BLOCKS_COPIES, BLOCKS_ROUNDS = (8960, 1536), 8, 15
 
 
-def _pass_ms(kernel: ModuleType, rows: int, variants: dict[object, Callable[[], None]]) -> dict[object, float]:
-    """Each variant's median time (ms) for a pass of `rows` rows through BLOCKS_LAYER on `kernel`, with tiles where
-    the variant's setup returns True; the variants interleaved round by round."""
+@functools.cache
+def _timing_layer() -> tuple[torch.Tensor, torch.Tensor]:
+    """BLOCKS_LAYER packed from random int4 codes, once per process: packing takes about half a second, and an AMX
+    host times twice (register_blocks, tiles_faster)."""
     generator = torch.Generator().manual_seed(0)
     n, k = BLOCKS_LAYER
     codes = torch.randint(0, 16, (n, k), generator=generator)
     scales = torch.rand(n, k // GROUP_SIZE, generator=generator) / 16
-    packed, scale_min = pack(codes, scales, -8 * scales, bits=4)
+    return pack(codes, scales, -8 * scales, bits=4)
+
+
+def _pass_ms(kernel: ModuleType, rows: int, variants: dict[object, Callable[[], None]]) -> dict[object, float]:
+    """Each variant's median time (ms) for a pass of `rows` rows through BLOCKS_LAYER on `kernel`, with tiles where
+    the variant's setup returns True; the variants interleaved round by round."""
+    packed, scale_min = _timing_layer()
     layers = [(packed.clone(), scale_min.clone()) for _ in range(BLOCKS_COPIES)]
-    x = torch.randn(rows, k, generator=generator)
+    x = torch.randn(rows, BLOCKS_LAYER[1], generator=torch.Generator().manual_seed(1))
     seconds: dict[object, list[float]] = {variant: [] for variant in variants}
     for _ in range(BLOCKS_ROUNDS):
         for variant, setup in variants.items():
@@ -204,22 +211,21 @@ def amx_missing() -> str | None:
 def _tiles_chosen() -> bool:
     """Whether passes of AMX_MIN_ROWS rows or more run on AMX tiles: where they can run, SPECDEC_ISA=amx or, with
     SPECDEC_ISA unset, where they are faster here. Logged once."""
-    if isa() in ("amx", None) and family() == "avx512" and amx_missing() is None:
-        reason = f"{ISA_ENV}=amx" if isa() == "amx" else f"{ISA_ENV} unset, faster here"
-        if isa() == "amx" or tiles_faster(extension()):
-            log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s), shorter ones on AVX-512 VNNI",
-                     AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, reason)
-            return True
-    if family() is not None:
-        if isa() == "amx":
-            reason = f"{ISA_ENV}=amx, but {amx_missing()}"
-        elif isa() is None and family() == "avx512" and amx_missing() is None:
-            reason = f"{ISA_ENV} unset, AMX tiles slower here"
-        else:
-            reason = f"{ISA_ENV}={isa() or 'unset'}"
+    tiles_run = family() == "avx512" and amx_missing() is None
+    if tiles_run and isa() == "amx":
+        chosen, reason = True, f"{ISA_ENV}=amx"
+    elif tiles_run and isa() is None:
+        chosen = tiles_faster(extension())
+        reason = f"{ISA_ENV} unset, {'faster' if chosen else 'AMX tiles slower'} here"
+    else:
+        chosen, reason = False, f"{ISA_ENV}=amx, but {amx_missing()}" if isa() == "amx" else f"{ISA_ENV}={isa() or 'unset'}"
+    if chosen:
+        log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s), shorter ones on AVX-512 VNNI",
+                 AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, reason)
+    elif family() is not None:
         log.info("quantize: %s on %s (%s)", f"passes below {DEQUANTIZE_ROWS} rows" if dequantizes_long_passes() else "every pass",
                  FAMILIES[family()].title, reason)
-    return False
+    return chosen
 
 
 def choose_anew() -> None:
