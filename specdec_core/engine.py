@@ -26,6 +26,7 @@ from .control import Controller
 from .drafters import grammar as grammar_drafts
 from .drafters.base import Drafter, Proposal
 from .grammar import masked
+from .models import vnni
 from .models.runner import BatchCache, ModelRunner
 from .prefix_cache import Block, OwnPrefix, PrefixCache
 from .sampling import (
@@ -174,8 +175,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """One prefill chunk through a row of its own, thrown away: what a process's first long pass pays once
-        (a quantized target's bf16 weights dequantized and kept, the kernels' first calls) is paid here, before
-        a server says it is ready, not by its first request (measured: 4 s of the default config's first TTFT)."""
+        (a quantized target's bf16 weights dequantized and kept, the kernels' first calls, the timing that chooses
+        AMX tiles or VNNI for the kernel's verify passes) is paid here, before a server says it is ready, not by
+        its first request (measured: 4 s of the default config's first TTFT)."""
+        if self.target.row_invariant:  # on our kernel, whose warm-up chunk may take the bf16 product instead
+            vnni.amx()
         tokens = min(self.chunk_tokens, self.target.config.max_position_embeddings)
         row = self.target.new_cache()
         row.reserve(1, tokens)

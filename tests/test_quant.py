@@ -235,6 +235,23 @@ def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request(long_pa
     assert not engine.seqs and engine.chunks == 0  # nothing of the warm-up's stays
 
 
+@needs_vnni
+def test_the_warm_up_chooses_the_verify_passes_path_before_any_request(monkeypatch, isa_chosen_anew, long_passes_dequantize):
+    """Where the tiles run, choosing them times both paths (tiles_faster): the warm-up pays that, not the first
+    request's first pass of AMX_MIN_ROWS rows."""
+    timed = []
+    monkeypatch.setattr(vnni, "tiles_faster", lambda kernel: timed.append(kernel) or False)
+    monkeypatch.delenv(vnni.ISA_ENV, raising=False)
+    config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
+                                    "speculation": {"drafter": "ngram"}})
+    engine = build_engine(config)
+    vnni.choose_anew()
+    assert engine.target.row_invariant and vnni._tiles_chosen.cache_info().currsize == 0
+    engine.warm_up()
+    assert vnni._tiles_chosen.cache_info().currsize == 1
+    assert len(timed) == (vnni.family() == "avx512" and vnni.amx_missing() is None)
+
+
 def test_a_draft_models_prefill_passes_keep_their_weights_from_the_warm_up(long_passes_dequantize):
     config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
                                     "speculation": {"drafter": "draft-model", "draft_model": TINY}})
