@@ -105,6 +105,42 @@ inline float dot(const float* q, const T* k, int64_t dim) {
 #endif
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kKeyBlock = 16;  // keys whose scores `dot_keys` computes at once
+
+// The scores of one query row against kKeyBlock keys (converted, [kKeyBlock, dim], dim a multiple of 16): each is
+// `dot`'s, bit for bit (the same fused multiply-adds per lane, and the tree's additions pair the same lanes), but
+// the tree runs across the 16 sums at once by shuffles, where `dot` reduced each alone (a horizontal sum a key,
+// most of a score's instructions), and the query is loaded once for all of them.
+inline void dot_keys(const float* q, const float* keys, int64_t dim, float* out) {
+  __m512 s[kKeyBlock];
+  for (int p = 0; p < kKeyBlock; ++p) s[p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < dim; j += LANES) {
+    const __m512 qj = _mm512_loadu_ps(q + j);
+    for (int p = 0; p < kKeyBlock; ++p) s[p] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(keys + p * dim + j), s[p]);
+  }
+  // Lane l + lane l + 8: keys 2i and 2i + 1 in the halves of e[i].
+  __m512 e[8];
+  for (int i = 0; i < 8; ++i)
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + lane l + 4: keys 4i..4i + 3 in the quarters of f[i].
+  __m512 f[4];
+  for (int i = 0; i < 4; ++i)
+    f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // + lane l + 2: quarter k of g[i] holds keys 8i + k (lanes 0-1) and 8i + 4 + k (lanes 2-3).
+  __m512 g[2];
+  for (int i = 0; i < 2; ++i)
+    g[i] = _mm512_add_ps(_mm512_shuffle_ps(f[2 * i], f[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(f[2 * i], f[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + lane l + 1: lane 4k + m holds key 4m + k's score; put them in key order. `dot` adds its tail, here 0.
+  const __m512 h = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_permutexvar_ps(order, h), _mm512_setzero_ps()));
+}
+#endif
+
 // exp(x) for x <= 0 (a softmax's shifted scores), within about one ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
 // its Taylor polynomial to r^7 (the first term left out is below 4e-9 of it), times 2^n. Every operation is an
 // exactly rounded one, so this scalar form and the vector form below give the same bits, lane by lane. Below
@@ -210,6 +246,9 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
   at::parallel_for(0, batch * blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q, acc, key_row(dim), scores;
+#if defined(__AVX512F__)
+    std::vector<float> key_block(kKeyBlock * dim);
+#endif
     std::vector<float*> weights;  // each query row's and head's scores, then weights, by slot
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, b = task / kv_heads / blocks, i0 = task / kv_heads % blocks * kRowBlock;
@@ -239,7 +278,22 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
       };
       // Scores of rows `from`..`to` - 1 for their slots j_from..j_to - 1 (all of them attend those).
       const auto score = [&](int64_t from, int64_t to, int64_t j_from, int64_t j_to) {
-        for (int64_t j = j_from; j < j_to; ++j) {
+        int64_t j = j_from;
+#if defined(__AVX512F__)
+        for (; dim % LANES == 0 && j + kKeyBlock <= j_to; j += kKeyBlock) {
+          for (int64_t p = 0; p < kKeyBlock; ++p) {
+            if (j + kKeyBlock + p < j_to) {  // the next block's, as below
+              prefetch_row(key_of(from, j + kKeyBlock + p), dim, _MM_HINT_T0);
+              prefetch_row(value_of(from)(j + kKeyBlock + p), dim, _MM_HINT_T1);
+            }
+            const T* k = key_of(from, j + p);
+            for (int64_t t = 0; t < dim; ++t) key_block[p * dim + t] = static_cast<float>(k[t]);
+          }
+          for (int64_t r = from; r < to; ++r)
+            for (int64_t g = 0; g < groups; ++g) dot_keys(&q[(r * groups + g) * dim], key_block.data(), dim, &weights[r * groups + g][j]);
+        }
+#endif
+        for (; j < j_to; ++j) {
           if (j + kAhead < j_to) {  // a decode step finds its cache in memory, not in a core's caches: ask ahead
             prefetch_row(key_of(from, j + kAhead), dim, _MM_HINT_T0);
             prefetch_row(value_of(from)(j + kAhead), dim, _MM_HINT_T1);  // for the weighted sums, after the softmax
