@@ -172,17 +172,49 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-// s[j] = exp(s[j] - top) for j < n; returns their sum, added in order.
-inline float exponentiate(float* s, int64_t n, float top) {
+// The largest of s[0..n), n > 0 (the same value in any order: max is exact, and a zero's sign changes no
+// exponential below).
+inline float top_score(const float* s, int64_t n) {
+  int64_t j = 0;
+  float top = s[0];
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= VECTOR) {
+    __m256 tops = _mm256_loadu_ps(s);
+    for (j = VECTOR; j + VECTOR <= n; j += VECTOR) tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + j));
+    alignas(32) float lanes[VECTOR];
+    _mm256_store_ps(lanes, tops);
+    top = *std::max_element(lanes, lanes + VECTOR);
+  }
+#endif
+  for (; j < n; ++j) top = std::max(top, s[j]);
+  return top;
+}
+
+// s[j] = exp(s[j] - top) for j < n.
+inline void exponentiate(float* s, int64_t n, float top) {
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; j + VECTOR <= n; j += VECTOR)
     _mm256_storeu_ps(s + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
 #endif
   for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - top);
-  float total = 0.f;
-  for (j = 0; j < n; ++j) total += s[j];
-  return total;
+}
+
+// Each of `count` rows of n scores, rows[i], to its softmax weights: exp(s - the row's top) over their sum, added
+// in order of j. Several rows' sums run side by side: each is a chain of dependent additions, which alone waits
+// on every addition's latency (a quarter of the kernel's time over 2,000 slots).
+inline void softmax(float* const* rows, int64_t count, int64_t n) {
+  if (n == 0) return;
+  constexpr int64_t kChains = 8;
+  for (int64_t i = 0; i < count; ++i) exponentiate(rows[i], n, top_score(rows[i], n));
+  for (int64_t i0 = 0; i0 < count; i0 += kChains) {
+    const int64_t chains = std::min(kChains, count - i0);
+    float total[kChains] = {};
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < chains; ++i) total[i] += rows[i0 + i][j];
+    for (int64_t i = 0; i < chains; ++i)
+      for (int64_t j = 0; j < n; ++j) rows[i0 + i][j] /= total[i];  // the weights
+  }
 }
 
 // acc[g][t] += weights[g][j] * value_j[t] for every group g < groups, j from `from_j` to `to_j` in order, value_j the
@@ -307,14 +339,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
       };
       score(0, rows, 0, shared);
       for (int64_t r = 0; r < rows; ++r) score(r, r + 1, shared, first[r + 1] - first[r]);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = first[r + 1] - first[r];
-        for (int64_t g = 0; g < groups; ++g) {
-          float* s = weights[r * groups + g];
-          const float total = exponentiate(s, n, n ? *std::max_element(s, s + n) : 0.f);
-          for (int64_t j = 0; j < n; ++j) s[j] /= total;  // the weights
-        }
-      }
+      for (int64_t r = 0; r < rows; ++r) softmax(&weights[r * groups], groups, first[r + 1] - first[r]);
       acc.assign(rows * groups * dim, 0.f);
       weighted_sums<T>(weights.data(), rows * groups, 0, shared, value_of(0), dim, acc.data());
       for (int64_t r = 0; r < rows; ++r)
