@@ -105,6 +105,7 @@ inline float dot(const float* q, const T* k, int64_t dim) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
 constexpr int64_t kKeyBlock = 16;  // keys whose scores `dot_keys` computes at once
 
@@ -139,6 +140,33 @@ inline void dot_keys(const float* q, const float* keys, int64_t dim, float* out)
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_permutexvar_ps(order, h), _mm512_setzero_ps()));
 }
+#else
+constexpr int64_t kKeyBlock = 8;
+
+// The same for AVX2, 8 keys: lanes l and l + 8 are two registers' lanes l, and the tree's other additions run
+// across the 8 sums by shuffles, as above.
+inline void dot_keys(const float* q, const float* keys, int64_t dim, float* out) {
+  __m256 e[kKeyBlock];
+  for (int p = 0; p < kKeyBlock; ++p) {
+    Sixteen lanes = Sixteen::zero();
+    for (int64_t j = 0; j < dim; j += LANES) lanes = lanes.fmadd(Sixteen::load(q + j), Sixteen::load(keys + p * dim + j));
+    e[p] = lanes.folded();  // lane l + lane l + 8
+  }
+  // + lane l + 4: keys 2i and 2i + 1 in the halves of f[i].
+  __m256 f[4];
+  for (int i = 0; i < 4; ++i)
+    f[i] = _mm256_add_ps(_mm256_permute2f128_ps(e[2 * i], e[2 * i + 1], 0x20), _mm256_permute2f128_ps(e[2 * i], e[2 * i + 1], 0x31));
+  // + lane l + 2: half k of g[i] holds keys 4i + k (lanes 0-1) and 4i + 2 + k (lanes 2-3).
+  __m256 g[2];
+  for (int i = 0; i < 2; ++i)
+    g[i] = _mm256_add_ps(_mm256_shuffle_ps(f[2 * i], f[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(f[2 * i], f[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + lane l + 1: half k holds keys k, 2 + k, 4 + k, 6 + k; put them in key order. `dot` adds its tail, here 0.
+  const __m256 h = _mm256_add_ps(_mm256_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permutevar8x32_ps(h, order), _mm256_setzero_ps()));
+}
+#endif
 #endif
 
 // exp(x) for x <= 0 (a softmax's shifted scores), within about one ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
@@ -278,7 +306,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
   at::parallel_for(0, batch * blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q, acc, key_row(dim), scores;
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
     std::vector<float> key_block(kKeyBlock * dim);
 #endif
     std::vector<float*> weights;  // each query row's and head's scores, then weights, by slot
@@ -311,7 +339,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
       // Scores of rows `from`..`to` - 1 for their slots j_from..j_to - 1 (all of them attend those).
       const auto score = [&](int64_t from, int64_t to, int64_t j_from, int64_t j_to) {
         int64_t j = j_from;
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
         for (; dim % LANES == 0 && j + kKeyBlock <= j_to; j += kKeyBlock) {
           for (int64_t p = 0; p < kKeyBlock; ++p) {
             if (j + kKeyBlock + p < j_to) {  // the next block's, as below
