@@ -122,13 +122,13 @@ def test_a_verify_pass_equals_one_token_steps(int4_target, row_invariant):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_familys_build_computes_the_same_bits(dtype):
-    """The avx512 family's build (AVX-512 registers, scores of 16 keys at once) and the avx2 family's (AVX2 ones, a
-    key at a time) give each row the same bits, at the 1.5B's and SmolLM2's head sizes and with a tail past the last
-    16 lanes, so forcing SPECDEC_ISA changes no text."""
+    """The avx512 family's build (AVX-512 registers, scores of 16 keys at once) and the avx2 family's (AVX2 ones, 8
+    keys at once), each a key at a time past its last whole block, give each row the same bits, at the 1.5B's and
+    SmolLM2's head sizes and with a tail past the last 16 lanes, so forcing SPECDEC_ISA changes no text."""
     builds = [attention.family_extension(family) for family in ("avx2", "avx512") if attention.build_runs_here(family)]
     if len(builds) < 2 or None in builds:
         pytest.skip("this CPU runs one kernel family only")
-    for dim, length in ((128, 1), (128, 9), (64, 33), (DIM, 7)):  # 70+ keys: the avx512 build's scores 16 keys at a time
+    for dim, length in ((128, 1), (128, 9), (64, 33), (DIM, 7)):  # 70+ keys: blocks of 16 and of 8 meet single keys
         generator = torch.Generator().manual_seed(dim + length)
         query = torch.randn(2, HEADS, length, dim, generator=generator).to(dtype)
         key, value = (torch.randn(2, KV_HEADS, 70 + length, dim, generator=generator).to(dtype) for _ in range(2))

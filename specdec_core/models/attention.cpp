@@ -336,30 +336,33 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
       const auto value_of = [&](int64_t r) {
         return [&, r](int64_t j) { return v_data + b * vs[0] + h * vs[1] + slots[first[r] + j] * vs[2]; };
       };
+      // Slot j's key and value rows of row r into this core's caches ahead of their use: a decode step finds its
+      // cache in memory, not in a core's caches. The values are for the weighted sums, after the softmax.
+      const auto prefetch_slot = [&](int64_t r, int64_t j) {
+        prefetch_row(key_of(r, j), dim, _MM_HINT_T0);
+        prefetch_row(value_of(r)(j), dim, _MM_HINT_T1);
+      };
+      // Slot j's key of row r as floats (exact): converted once for every group and row that scores it.
+      const auto key_floats = [&](int64_t r, int64_t j, float* into) {
+        const T* k = key_of(r, j);
+        for (int64_t t = 0; t < dim; ++t) into[t] = static_cast<float>(k[t]);
+      };
       // Scores of rows `from`..`to` - 1 for their slots j_from..j_to - 1 (all of them attend those).
       const auto score = [&](int64_t from, int64_t to, int64_t j_from, int64_t j_to) {
         int64_t j = j_from;
 #if defined(__AVX2__) && defined(__FMA__)
         for (; dim % LANES == 0 && j + kKeyBlock <= j_to; j += kKeyBlock) {
           for (int64_t p = 0; p < kKeyBlock; ++p) {
-            if (j + kKeyBlock + p < j_to) {  // the next block's, as below
-              prefetch_row(key_of(from, j + kKeyBlock + p), dim, _MM_HINT_T0);
-              prefetch_row(value_of(from)(j + kKeyBlock + p), dim, _MM_HINT_T1);
-            }
-            const T* k = key_of(from, j + p);
-            for (int64_t t = 0; t < dim; ++t) key_block[p * dim + t] = static_cast<float>(k[t]);
+            if (j + kKeyBlock + p < j_to) prefetch_slot(from, j + kKeyBlock + p);  // the next block's
+            key_floats(from, j + p, &key_block[p * dim]);
           }
           for (int64_t r = from; r < to; ++r)
             for (int64_t g = 0; g < groups; ++g) dot_keys(&q[(r * groups + g) * dim], key_block.data(), dim, &weights[r * groups + g][j]);
         }
 #endif
         for (; j < j_to; ++j) {
-          if (j + kAhead < j_to) {  // a decode step finds its cache in memory, not in a core's caches: ask ahead
-            prefetch_row(key_of(from, j + kAhead), dim, _MM_HINT_T0);
-            prefetch_row(value_of(from)(j + kAhead), dim, _MM_HINT_T1);  // for the weighted sums, after the softmax
-          }
-          const T* k = key_of(from, j);
-          for (int64_t t = 0; t < dim; ++t) key_row[t] = static_cast<float>(k[t]);  // exact: once for every group and row
+          if (j + kAhead < j_to) prefetch_slot(from, j + kAhead);
+          key_floats(from, j, key_row.data());
           for (int64_t r = from; r < to; ++r)
             for (int64_t g = 0; g < groups; ++g)
               weights[r * groups + g][j] = dot(&q[(r * groups + g) * dim], key_row.data(), dim);
