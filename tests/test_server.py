@@ -614,7 +614,9 @@ def test_sigterm_cancels_what_outlasts_the_grace():
 def test_greedy_completions_equal_plain_greedy_decoding(smollm2_dir):
     config = ServeConfig.model_validate({
         "model": {"target": "smollm2-135m", "dtype": "fp32", "threads": 1},
-        "speculation": {"drafter": "ngram"},
+        # A fixed gamma drafts every step: the controller's choice follows measured times, and on a slow host it
+        # had kept every step plain (CI on 9e9788c), so the test compared nothing speculative.
+        "speculation": {"drafter": "ngram", "gamma": 3},
         "server": {"max_batch_size": 4},
     })
     prompts = ["def fibonacci(n):\n    ", "The capital of France is Paris. The capital of Germany is", "1, 2, 3, 4, 5, 6,"]
