@@ -104,8 +104,10 @@ def plain(target) -> dict[str, list[list[int]]]:
 def test_speculative_text_is_plain_decodings(target, plain, drafter, setting, gamma):
     seqs = sequences(target, setting)
     assert run(target, DRAFTERS[drafter](target), seqs, gamma) == plain[setting]
-    drafted = sum(seq.stats.draft_tokens for seq in seqs)
-    assert drafted > 0, "nothing was drafted: the comparison says nothing"
+    # With a fixed gamma every step asks for drafts. The controller's choice follows measured times: a lookup drafter
+    # with no match in a row's first steps may then be asked for none on a slow host (model drafters always draft).
+    if gamma is not None:
+        assert sum(seq.stats.draft_tokens for seq in seqs) > 0, "nothing was drafted: the comparison says nothing"
 
 
 # Every drafter but those that draft in the target's slot cache (layer skip and its distilled student).
@@ -120,9 +122,11 @@ def compiled_target(target) -> StaticRunner:
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("drafter", [None, *STATIC_DRAFTERS])
 def test_the_compiled_step_returns_the_eager_steps_text(compiled_target, plain, drafter, setting):
-    """model.step compiled: plainly and with every drafter it takes, the eager step's plain text."""
+    """model.step compiled: plainly and with every drafter it takes (at a fixed gamma, so that it drafts whatever the
+    host's timings), the eager step's plain text."""
     seqs = sequences(compiled_target, setting)
-    assert run(compiled_target, DRAFTERS[drafter](compiled_target) if drafter else None, seqs, None) == plain[setting]
+    chosen = DRAFTERS[drafter](compiled_target) if drafter else None
+    assert run(compiled_target, chosen, seqs, 3 if drafter else None) == plain[setting]
     assert drafter is None or sum(seq.stats.draft_tokens for seq in seqs) > 0
 
 
