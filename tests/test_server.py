@@ -549,7 +549,12 @@ def test_a_running_stream_gets_tokens_between_a_long_prompts_chunks(chunked, mon
     engine = chunked.app.state.scheduler.engine
     at_steps = []
     step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: at_steps.append(engine.chunks) or step())
+
+    def counted_step():
+        at_steps.append(engine.chunks)
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted_step)
     client = keyed(chunked, KEYS[0])
     stream = iter(client.completions.create(model=MODEL, prompt="x", max_tokens=1900, logit_bias=NO_EOS, stream=True))
     next(stream)
