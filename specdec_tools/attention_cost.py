@@ -1,15 +1,19 @@
 """What row-invariant attention costs: a target pass over k tokens with SDPA and with our kernel
-(models/attention.py), interleaved in one run so that both see the same machine.
+(models/attention.py), and where the CPU has AMX-BF16 tiles with the kernel on them too, interleaved in one
+run so that all see the same machine.
 
 Each repetition runs, for each pass length, one pass of each kind on its own cache (same context) and rolls
-the pass back but for its first token, so the contexts grow alike. The figure is the median ratio of
-kernel to SDPA time per pass length; one-token passes are plain decoding's.
+the pass back but for its first token, so the contexts grow alike. The figures are the median ratios of
+kernel (and tiles) to SDPA time per pass length; one-token passes are plain decoding's. Passes of 48 tokens
+and more take the kept bf16 weights on AMX hosts with SDPA (vnni.DEQUANTIZE_ROWS_KEPT_AMX), the int8 kernel
+with ours.
 
     python -m specdec_tools.attention_cost --config configs/default.yaml --context 300 --reps 8
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -29,15 +33,17 @@ def measure(config: Config, context: int, lengths: list[int], reps: int) -> dict
         raise SystemExit("attention_cost: the row-invariant kernel runs on the CPU, and needs g++ to build")
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, runner.vocab_size, (context,), generator=generator).tolist()
-    caches = {kernel: runner.prefill(prompt)[0] for kernel in (False, True)}
-    times: dict[tuple[bool, int], list[float]] = {(kernel, k): [] for kernel in (False, True) for k in lengths}
+    kinds = ["sdpa", "kernel", *(["tiles"] if attention.tiles(torch.empty(1, 1, 1, runner.head_dim, dtype=runner.dtype)) else [])]
+    caches = {kind: runner.prefill(prompt)[0] for kind in kinds}
+    times: dict[tuple[str, int], list[float]] = {(kind, k): [] for kind in kinds for k in lengths}
     for _ in tqdm(range(reps), desc="repetitions"):
         for k in lengths:
             ids = torch.randint(0, runner.vocab_size, (1, k), generator=generator)
-            for kernel, cache in caches.items():
-                start = time.perf_counter()
-                runner.forward(cache, ids, row_invariant=kernel)
-                times[(kernel, k)].append(time.perf_counter() - start)
+            for kind, cache in caches.items():
+                with contextlib.nullcontext() if kind == "tiles" else attention.without_tiles():
+                    start = time.perf_counter()
+                    runner.forward(cache, ids, row_invariant=kind != "sdpa")
+                    times[(kind, k)].append(time.perf_counter() - start)
                 cache.commit(torch.tensor([[True] + [False] * (k - 1)]))
     return {
         "target": config.model.target, "weights": config.model.weights, "dtype": config.model.dtype,
@@ -45,9 +51,9 @@ def measure(config: Config, context: int, lengths: list[int], reps: int) -> dict
         "passes": [
             {
                 "k": k,
-                "sdpa_ms": 1e3 * statistics.median(times[(False, k)]),
-                "kernel_ms": 1e3 * statistics.median(times[(True, k)]),
-                "kernel_over_sdpa": statistics.median(a / b for a, b in zip(times[(True, k)], times[(False, k)])),
+                **{f"{kind}_ms": 1e3 * statistics.median(times[(kind, k)]) for kind in kinds},
+                **{f"{kind}_over_sdpa": statistics.median(a / b for a, b in zip(times[(kind, k)], times[("sdpa", k)]))
+                   for kind in kinds[1:]},
             }
             for k in lengths
         ],

@@ -1,7 +1,7 @@
 """Row-invariant attention (models/attention.py, attention.cpp): close to a float64 reference, and each
 query row computes bit for bit what a one-row call computes for it, whatever the pass length (1..64),
-the tree, the holes in the cache or the other rows; then whole passes of a quantized model equal
-one-token steps, which SDPA's do not."""
+the tree, the holes in the cache or the other rows, on the AVX paths and on AMX tiles (where the CPU has
+them); then whole passes of a quantized model equal one-token steps, which SDPA's do not."""
 
 from __future__ import annotations
 
@@ -22,26 +22,26 @@ HEADS, KV_HEADS, DIM = 6, 2, 40  # GQA groups of 3; 40 = two 16-lane blocks and 
 pytestmark = pytest.mark.skipif(attention.extension() is None, reason="the attention kernel cannot be built here")
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, tiles: bool = False) -> torch.Tensor:
     slots = row_slots(allowed)
-    return attention.extension().attend(query, key, value, slots.slots, slots.offsets, DIM**-0.5)
+    return attention.extension().attend(query, key, value, slots.slots, slots.offsets, query.shape[-1]**-0.5, tiles)
 
 
 def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Softmax attention in float64 with a boolean mask: [B, k, H, d]."""
     groups = HEADS // KV_HEADS
     k, v = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
-    scores = (query.double() @ k.transpose(-1, -2)) * DIM**-0.5
+    scores = (query.double() @ k.transpose(-1, -2)) * query.shape[-1]**-0.5
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def pass_of(rows: int, length: int, cached: int, dtype: torch.dtype, seed: int = 0):
+def pass_of(rows: int, length: int, cached: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM):
     """query [B, H, k, d] and keys and values [B, Hkv, cached + k, d], with a causal mask over `cached`
     slots of which about a fifth are holes (slots of refused drafts, or of other rows)."""
     generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(rows, length, HEADS, DIM, generator=generator).to(dtype).transpose(1, 2)  # as transformers has it
-    key, value = (torch.randn(rows, KV_HEADS, cached + length, DIM, generator=generator).to(dtype) for _ in range(2))
+    query = torch.randn(rows, length, HEADS, dim, generator=generator).to(dtype).transpose(1, 2)  # as transformers has it
+    key, value = (torch.randn(rows, KV_HEADS, cached + length, dim, generator=generator).to(dtype) for _ in range(2))
     valid = torch.rand(rows, cached, generator=generator) > 0.2
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     allowed = torch.cat([valid[:, None].expand(rows, length, cached), causal.expand(rows, length, length)], dim=2)
@@ -84,6 +84,44 @@ def test_a_tree_row_equals_its_path_alone():
         assert torch.equal(out[0, node], alone[0, 0])
 
 
+needs_tiles = pytest.mark.skipif(not attention.tiles_granted(), reason="this CPU has no AMX-BF16 tiles (or SPECDEC_ISA asks for none)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("length", [1, 7, 64])
+def test_the_tiles_are_softmax_attention(dim, length):
+    query, key, value, allowed = pass_of(3, length, 50, torch.bfloat16, dim=dim)
+    torch.testing.assert_close(attend(query, key, value, allowed, tiles=True).double(), reference(query, key, value, allowed),
+                               rtol=2e-2, atol=2e-2)
+
+
+@needs_tiles
+def test_each_row_on_the_tiles_equals_that_row_alone():
+    """The tile path's row invariance: rows taken together (a causal pass, its slot lists each a prefix of the
+    longest's) and tree rows (one at a time) against one-row calls over their own keys, dense; 70 cached slots,
+    so that rows end in different blocks of 32. The AVX-512 path's bits differ (the negative control)."""
+    for length in (1, 2, 15, 16, 17, 33, 64):
+        query, key, value, allowed = pass_of(2, length, 70, torch.bfloat16, seed=length, dim=64)
+        out = attend(query, key, value, allowed, tiles=True)
+        assert not torch.equal(out, attend(query, key, value, allowed))
+        for b in range(2):
+            for i in range(length):
+                own = allowed[b, i].nonzero().squeeze(1)
+                alone = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, own], value[b : b + 1, :, own],
+                               torch.ones(1, 1, len(own), dtype=torch.bool), tiles=True)
+                assert torch.equal(out[b, i], alone[0, 0]), (length, b, i)
+    parents = [-1, -1, 0, 0, 2, 1]
+    query, key, value, _ = pass_of(1, len(parents) + 1, 40, torch.bfloat16, dim=64)
+    mask, _ = batch_layout([parents], len(parents))
+    allowed = torch.cat([torch.ones(1, len(parents) + 1, 40, dtype=torch.bool), mask], dim=2)
+    out = attend(query, key, value, allowed, tiles=True)
+    for node in range(len(parents) + 1):
+        own = allowed[0, node].nonzero().squeeze(1)
+        alone = attend(query[:, :, node : node + 1], key[:, :, own], value[:, :, own], torch.ones(1, 1, len(own), dtype=torch.bool), tiles=True)
+        assert torch.equal(out[0, node], alone[0, 0]), node
+
+
 def test_row_slots_are_each_rows_attended_slots_in_order():
     allowed = torch.tensor([[[1, 0, 1, 0], [1, 0, 1, 1]], [[0, 1, 0, 0], [0, 1, 1, 0]]], dtype=torch.bool)
     slots = row_slots(allowed)
@@ -106,7 +144,20 @@ def test_a_verify_pass_equals_one_token_steps(int4_target, row_invariant):
     """A 12-token pass after a refused one (holes in the cache), beside another row, against 12 one-token
     steps of that row alone: bit-identical logits on the row-invariant path. SDPA's differ (the negative
     control: the comparison can fail)."""
-    runner, generator = int4_target, torch.Generator().manual_seed(1)
+    verify_pass_equals_steps(int4_target, row_invariant)
+
+
+@needs_tiles
+@pytest.mark.parametrize("row_invariant", [True, False])
+def test_a_verify_pass_on_the_tiles_equals_one_token_steps(smollm2_dir, row_invariant):
+    """The same on the AMX tiles: SmolLM2 int4 in bf16, whose heads of 64 take them (the tiny model's of 16 do not)."""
+    runner = load_runner("smollm2-135m", ModelConfig(target="smollm2-135m", dtype="bf16", weights="int4", device="cpu"))
+    assert attention.tiles(torch.empty(1, 1, 1, runner.head_dim, dtype=runner.dtype))
+    verify_pass_equals_steps(runner, row_invariant)
+
+
+def verify_pass_equals_steps(runner, row_invariant: bool) -> None:
+    generator = torch.Generator().manual_seed(1)
     prompt, other, tokens = (torch.randint(0, runner.vocab_size, (n,), generator=generator).tolist() for n in (40, 25, 12))
     steps = runner.prefill(prompt)[0]
     alone = torch.cat([runner.forward(steps, torch.tensor([[t]]), commit=True, row_invariant=row_invariant)[0][0] for t in tokens])
@@ -134,7 +185,7 @@ def test_every_familys_build_computes_the_same_bits(dtype):
         key, value = (torch.randn(2, KV_HEADS, 70 + length, dim, generator=generator).to(dtype) for _ in range(2))
         allowed = torch.rand(2, length, 70 + length, generator=generator) > 0.2
         slots = row_slots(allowed)
-        avx2, avx512 = (build.attend(query, key, value, slots.slots, slots.offsets, dim**-0.5) for build in builds)
+        avx2, avx512 = (build.attend(query, key, value, slots.slots, slots.offsets, dim**-0.5, False) for build in builds)
         assert torch.equal(avx2, avx512), (dim, length)
 
 

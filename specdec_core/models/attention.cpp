@@ -14,12 +14,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <xmmintrin.h>  // _mm_prefetch, on every x86-64
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#include <atomic>
+
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -384,12 +390,237 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key, const tor
   });
 }
 
+#if defined(__AVX512F__)
+// The AMX-BF16 path (the avx512 build, where the CPU has AMX tiles and a pass asks: attention.py's `tiles`): the
+// scores and the weighted sums as tile products, 16 query vectors (a row's query heads, several rows') by 16 keys,
+// or by 16 outputs, per tile. Row-invariant by construction: each output of a tile product is its row's sums alone,
+// in an order fixed by its operands' positions, so a query vector's scores are the same in any tile, and its
+// weighted sum runs over its slots in blocks of 32 at fixed positions (slot 32i..32i + 31 of its list), with
+// weights of zero past its own slots, which add nothing. The scores are float32 from bf16 queries and keys (scaled
+// after), the softmax float32 as above, the weights rounded to bf16 for the weighted sums, which add in float32.
+// Passes on tiles therefore compute other bits than the AVX paths, the same in every pass of a process.
+constexpr int64_t kTile = 16;          // query vectors, keys or outputs a tile holds
+constexpr int64_t kPairKeys = 32;      // slots one weighted-sum product adds: 16 rows of pairs
+constexpr int64_t kAccumulators = 6;   // tiles tmm2-7 accumulate; tmm0 is A, tmm1 is B
+
+TileConfig attention_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = kTile, config.colsb[t] = 64;
+  return config;
+}
+
+// f(std::integral_constant<int, c>{}) for c = 0..n - 1, unrolled: tile numbers are immediates.
+template <typename F, int... c>
+void each(std::integer_sequence<int, c...>, F&& f) {
+  (f(std::integral_constant<int, c>{}), ...);
+}
+template <int n, typename F>
+void each(F&& f) {
+  each(std::make_integer_sequence<int, n>{}, f);
+}
+// f(std::integral_constant<int, count>{}) for a count in 1..kAccumulators.
+template <int most = kAccumulators, typename F>
+void with_accumulators(int64_t count, F&& f) {
+  if constexpr (most > 1) {
+    if (count < most) return with_accumulators<most - 1>(count, f);
+  }
+  f(std::integral_constant<int, most>{});
+}
+
+// exp_nonpositive on 16 lanes, as two halves of 8.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m256 low = exp_nonpositive(_mm512_castps512_ps256(x));
+  const __m256 high = exp_nonpositive(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
+}
+
+// 16 floats to bf16 (in each int32 lane's low half), rounded to nearest even as at::BFloat16 rounds finite floats.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+// A query vector's scores s[0..n) (n > 0) to its softmax weights in bf16, p[0..n): exp(s * scaling - the top)
+// over their sum, which adds slot j in lane j mod 16, in order, and then the lanes in a fixed tree.
+inline void tile_softmax(float* s, int64_t n, float scaling, uint16_t* p) {
+  const auto mask = [&](int64_t j) { return static_cast<__mmask16>(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1); };
+  __m512 tops = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) tops = _mm512_mask_max_ps(tops, mask(j), tops, _mm512_loadu_ps(s + j));
+  // Rounding is monotonic: the top of the scaled scores is the scaled top.
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops) * scaling), scale = _mm512_set1_ps(scaling);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 e = _mm512_maskz_mov_ps(mask(j), exp_nonpositive(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), scale), top)));
+    _mm512_storeu_ps(s + j, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
+  for (int64_t j = 0; j < n; j += 16)
+    _mm512_mask_cvtepi32_storeu_epi16(p + j, mask(j), bf16_bits(_mm512_div_ps(_mm512_loadu_ps(s + j), total)));
+}
+
+// Rows r[0..15] of 16 int32 each, transposed in place.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i)
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {  // u[4i + e]'s 128-bit lane l: element 4l + e of rows 4i..4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]), u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]), u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88), v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88), r[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88), r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+struct TileBuffers {
+  std::vector<uint16_t> q, keys, p, values;  // bf16 bits
+  std::vector<float> scores, acc;
+};
+
+// One block's query vectors (queries[i], `count` of them, bf16, each of row i / groups) against the slots
+// list[0..n), of which row r attends the first lengths[r]. key(j) and value(j): slot list[j]'s rows. Writes
+// out[i] (bf16). The tiles are configured (attention_tiles).
+template <typename Key, typename Value>
+void tile_attend(const uint16_t* const* queries, int64_t count, int64_t groups, const int64_t* lengths, int64_t n,
+                 Key key, Value value, int64_t dim, float scaling, uint16_t* const* out, TileBuffers& b) {
+  const int64_t vectors = (count + kTile - 1) / kTile * kTile, slots = (n + kPairKeys - 1) / kPairKeys * kPairKeys;
+  const int64_t steps = dim / 32, outputs = dim / kTile;  // A-tile widths of a query; 16-output tiles of a sum
+  static const std::vector<uint16_t> zeros(256);
+  const auto padded = [&](const uint16_t* row) { return row ? row : zeros.data(); };
+  b.q.assign(vectors * dim, 0);
+  for (int64_t i = 0; i < count; ++i) std::memcpy(&b.q[i * dim], queries[i], dim * 2);
+  // Scores [vectors, slots]: per block of 16 slots, its keys transposed into B tiles of bf16 pairs.
+  b.scores.resize(vectors * slots);
+  b.keys.resize(steps * kTile * 32);
+  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    for (int64_t k = 0; k < kTile && j0 + kTile + k < n; ++k) prefetch_row(key(j0 + kTile + k), dim, _MM_HINT_T0);
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512i r[16];
+      for (int64_t k = 0; k < kTile; ++k)
+        r[k] = _mm512_loadu_si512(padded(j0 + k < n ? key(j0 + k) : nullptr) + s * 32);
+      transpose16(r);
+      for (int64_t k = 0; k < kTile; ++k) _mm512_storeu_si512(&b.keys[(s * kTile + k) * 32], r[k]);
+    }
+    for (int64_t t0 = 0; t0 < vectors / kTile; t0 += kAccumulators) {
+      with_accumulators(vectors / kTile - t0, [&](auto tiles) {
+        constexpr int kTiles = decltype(tiles)::value;
+        each<kTiles>([](auto c) { tile_zero<2 + decltype(c)::value>(); });
+        for (int64_t s = 0; s < steps; ++s) {
+          tile_load<1>(&b.keys[s * kTile * 32], 64);
+          each<kTiles>([&](auto c) {
+            tile_load<0>(&b.q[(t0 + c) * kTile * dim + s * 32], dim * 2);
+            tile_dpbf16ps<2 + decltype(c)::value, 0, 1>();
+          });
+        }
+        each<kTiles>([&](auto c) { tile_store<2 + decltype(c)::value>(&b.scores[(t0 + c) * kTile * slots + j0], slots * 4); });
+      });
+    }
+  }
+  // Softmax per query vector over its row's slots; the weights in bf16, zero past them.
+  b.p.assign(vectors * slots, 0);
+  for (int64_t i = 0; i < count; ++i) tile_softmax(&b.scores[i * slots], lengths[i / groups], scaling, &b.p[i * slots]);
+  // Values as B tiles: per 32 slots and 16 outputs, 16 rows of (slot 2i, slot 2i + 1) bf16 pairs.
+  b.values.resize(slots * dim);
+  for (int64_t j0 = 0; j0 < slots; j0 += kPairKeys)
+    for (int64_t i = 0; i < kPairKeys / 2; ++i) {
+      const uint16_t* even = padded(j0 + 2 * i < n ? value(j0 + 2 * i) : nullptr);
+      const uint16_t* odd = padded(j0 + 2 * i + 1 < n ? value(j0 + 2 * i + 1) : nullptr);
+      for (int64_t o = 0; o < outputs; ++o) {
+        const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + o * kTile)));
+        const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + o * kTile)));
+        _mm512_storeu_si512(&b.values[((j0 / kPairKeys * outputs + o) * kTile + i) * 32], _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+      }
+    }
+  // Weighted sums [vectors, dim]: per tile of 16 query vectors, up to 6 tiles of 16 outputs at a time.
+  b.acc.resize(vectors * dim);
+  for (int64_t t = 0; t < vectors / kTile; ++t)
+    for (int64_t o0 = 0; o0 < outputs; o0 += kAccumulators) {
+      with_accumulators(outputs - o0, [&](auto tiles) {
+        constexpr int kTiles = decltype(tiles)::value;
+        each<kTiles>([](auto c) { tile_zero<2 + decltype(c)::value>(); });
+        for (int64_t j0 = 0; j0 < slots; j0 += kPairKeys) {
+          tile_load<0>(&b.p[t * kTile * slots + j0], slots * 2);
+          each<kTiles>([&](auto c) {
+            tile_load<1>(&b.values[((j0 / kPairKeys * outputs + o0 + c) * kTile) * 32], 64);
+            tile_dpbf16ps<2 + decltype(c)::value, 0, 1>();
+          });
+        }
+        each<kTiles>([&](auto c) { tile_store<2 + decltype(c)::value>(&b.acc[t * kTile * dim + (o0 + c) * kTile], dim * 4); });
+      });
+    }
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t t = 0; t < dim; t += kTile)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[i] + t), _mm512_cvtepi32_epi16(bf16_bits(_mm512_loadu_ps(&b.acc[i * dim + t]))));
+}
+
+std::atomic<bool> tiles_granted{false};
+
+// attend_rows on tiles, bf16: the same tasks; a block of rows whose slot lists are each a prefix of the longest's
+// (a prefill's or a chain's causal rows) takes the tiles together, other blocks (trees) one row at a time.
+void tile_attend_rows(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                      const int64_t* slots, const int64_t* offsets, double scaling, torch::Tensor& out) {
+  TORCH_CHECK(tiles_granted, "the AMX attention needs amx_enable() to have succeeded");
+  const int64_t batch = query.size(0), heads = query.size(1), length = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), groups = heads / kv_heads, blocks = (length + kRowBlock - 1) / kRowBlock;
+  const auto* q_data = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
+  const auto* k_data = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
+  const auto* v_data = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
+  auto* out_data = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
+  at::parallel_for(0, batch * blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    tile_config(attention_tiles());  // per thread and call: oneDNN's and our int8 kernel's tiles load their own
+    TileBuffers buffers;
+    std::vector<const uint16_t*> queries;
+    std::vector<uint16_t*> outs;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % kv_heads, b = task / kv_heads / blocks, i0 = task / kv_heads % blocks * kRowBlock;
+      const int64_t rows = std::min(kRowBlock, length - i0);
+      const int64_t* first = offsets + b * length + i0;
+      int64_t longest = 0;
+      for (int64_t r = 1; r < rows; ++r) longest = first[r + 1] - first[r] > first[longest + 1] - first[longest] ? r : longest;
+      bool nested = true;
+      for (int64_t r = 0; r < rows && nested; ++r)
+        nested = std::equal(slots + first[r], slots + first[r + 1], slots + first[longest]);
+      // Rows r0..r1 - 1 over row `over`'s slots.
+      const auto attend = [&](int64_t r0, int64_t r1, int64_t over) {
+        const int64_t* list = slots + first[over];
+        queries.clear(), outs.clear();
+        int64_t lengths[kRowBlock];
+        for (int64_t r = r0; r < r1; ++r) {
+          lengths[r - r0] = first[r + 1] - first[r];
+          for (int64_t g = 0; g < groups; ++g) {
+            queries.push_back(q_data + b * qs[0] + (h * groups + g) * qs[1] + (i0 + r) * qs[2]);
+            outs.push_back(out_data + ((b * length + i0 + r) * heads + h * groups + g) * dim);
+          }
+        }
+        tile_attend(queries.data(), (r1 - r0) * groups, groups, lengths, first[over + 1] - first[over],
+                    [&](int64_t j) { return k_data + b * ks[0] + h * ks[1] + list[j] * ks[2]; },
+                    [&](int64_t j) { return v_data + b * vs[0] + h * vs[1] + list[j] * vs[2]; }, dim,
+                    static_cast<float>(scaling), outs.data(), buffers);
+      };
+      if (nested) {
+        attend(0, rows, longest);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) attend(r, r + 1, r);
+      }
+    }
+    tile_release();
+  });
+}
+#endif
+
 }  // namespace
 
 // query [B, H, k, d]; key, value [B, Hkv, S, d] (last dim contiguous); row (b, i)'s slots are
 // slots[offsets[b * k + i] : offsets[b * k + i + 1]], in token order. Returns [B, k, H, d].
+// On AMX tiles where `tiles` asks (bf16, the avx512 build, head size a multiple of 32 up to 256): other bits.
 torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor slots,
-                     torch::Tensor offsets, double scaling) {
+                     torch::Tensor offsets, double scaling, bool tiles) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "query, key and value must be 4-D");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), "one dtype");
   TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads must be a multiple of key heads");
@@ -406,6 +637,17 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value
   TORCH_CHECK(offsets.data_ptr<int64_t>()[offsets.numel() - 1] == slots.numel(), "the offsets must end at the number of slots");
   TORCH_CHECK(std::all_of(slot, slot + slots.numel(), [&](int64_t s) { return s >= 0 && s < key.size(2); }), "a slot outside the keys");
   auto out = torch::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
+#if defined(__AVX512F__)
+  if (tiles) {
+    TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && query.size(3) % 32 == 0 && query.size(3) <= 256,
+                "the AMX attention takes bf16 heads of a multiple of 32 up to 256");
+    query = query.stride(3) == 1 ? query : query.contiguous();
+    tile_attend_rows(query, key, value, slots.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), scaling, out);
+    return out;
+  }
+#else
+  TORCH_CHECK(!tiles, "the AMX attention is in the avx512 build only");
+#endif
   if (query.scalar_type() == torch::kBFloat16)
     attend_rows<at::BFloat16>(query, key, value, slots.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), scaling, out);
   else if (query.scalar_type() == torch::kFloat)
@@ -415,4 +657,17 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attend", &attend, "row-invariant attention over per-row slot lists"); }
+// Whether the AMX path may run: the tile state asked of Linux (once); false in builds without it.
+bool amx_enable() {
+#if defined(__AVX512F__)
+  tiles_granted = tiles_granted || request_tiles();
+  return tiles_granted;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "row-invariant attention over per-row slot lists");
+  m.def("amx_enable", &amx_enable, "ask Linux for the AMX tile state (once); whether the AMX path may run");
+}

@@ -14,11 +14,16 @@ row is its own dot products), float GEMMs are not (`ModelRunner.row_invariant`).
 Registered as a transformers attention implementation, `IMPLEMENTATION`: a pass given `row_slots` takes
 the kernel, any other (prefill, drafters' passes, transformers' generate) takes SDPA. The kernel is built
 once per kernel family (vnni.family(), so SPECDEC_ISA chooses it too), each build with the same bits.
+Where the CPU has AMX-BF16 tiles (and SPECDEC_ISA is unset or amx), bf16 passes take the avx512 build's tile
+path instead (`tiles`): row-invariant too, but with its own bits (bf16 weights into the weighted sums), so a
+process takes it for every pass or for none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -108,10 +113,43 @@ def attention(
     return attend_rows(query, key, value, row_slots.slots, row_slots.offsets, scaling), None
 
 
+@functools.cache
+def tiles_granted() -> bool:
+    """Whether passes may attend on AMX tiles: the avx512 build is this process's, the CPU has AMX-BF16, Linux
+    grants the tile state, and SPECDEC_ISA asks for no path without tiles (avx2, avxvnni, avx512). Settled once
+    per process: every pass of a process must take the same path."""
+    wanted = vnni.isa() in (None, "amx") and {"avx512f", "amx_tile", "amx_bf16"} <= vnni._cpu_flags()
+    return wanted and extension() is family_extension("avx512") is not None and extension().amx_enable()
+
+
+# Tools that time both paths in one process set this (`without_tiles`); passes never do.
+_tiles_off = False
+
+
+def tiles(query: torch.Tensor) -> bool:
+    """Whether a pass attends on AMX tiles (attention.cpp's AMX-BF16 path): bf16 heads of a multiple of 32 up to
+    256, where `tiles_granted`. On a Xeon with AMX (Qwen2.5-1.5B's heads, 2 threads) a 128-row chunk over 2,048
+    positions took 12.1 ms a layer on the AVX-512 path, 5.1 on the tiles, 2.0 on SDPA; 32 rows over 256 positions
+    0.6, 0.13 and 0.15 ms (docs/benchmarks/NOTES.md, issue 30)."""
+    dim = query.shape[-1]
+    return query.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256 and not _tiles_off and tiles_granted()
+
+
+@contextlib.contextmanager
+def without_tiles() -> Iterator[None]:
+    """Passes attend on the AVX paths meanwhile, where they would take the tiles: for tools that time both."""
+    global _tiles_off
+    _tiles_off = True
+    try:
+        yield
+    finally:
+        _tiles_off = False
+
+
 def _attend_rows(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    return extension().attend(query, key, value, slots, offsets, scaling)
+    return extension().attend(query, key, value, slots, offsets, scaling, tiles(query))
 
 
 def _attend_rows_shape(query, key, value, slots, offsets, scaling):

@@ -9,8 +9,6 @@
 // group's 8 operands, which are exactly a B tile's 8 rows of 64 bytes (int8 loads them in place;
 // int4 unpacks them to bytes first), into a 16 x 16 tile of int32 sums.
 #include <torch/extension.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -24,36 +22,7 @@
 #else
 #include <immintrin.h>
 
-// The tile instructions, as inline asm with the operands the compiler must respect: GCC 12's
-// `_tile_loadconfig` names only the config's first 8 bytes as read, so it may drop the stores of
-// the rest (llama.cpp's AMX build fails so with GCC 12), and its `_tile_loadd` names no memory
-// at all, so stores to an unpacked buffer could be sunk past the load. No -mamx-* flags needed.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-inline void tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config)); }
-inline void tile_release() { asm volatile("tilerelease" ::); }
-template <int tile>
-void tile_load(const void* base, int64_t stride) {
-  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(tile) : "memory");
-}
-template <int tile>
-void tile_store(void* base, int64_t stride) {
-  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(tile) : "memory");
-}
-template <int tile>
-void tile_zero() { asm volatile("tilezero %%tmm%c0" ::"i"(tile)); }
-// c += a (signed bytes) . b (unsigned bytes), 4 bytes per int32 lane.
-template <int c, int a, int b>
-void tile_dpbsud() { asm volatile("tdpbsud %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(b), "i"(a), "i"(c)); }
-
-// Linux hands out the tile state (8 KB per thread) only to processes that ask, once.
-bool request_tiles() {
-  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+#include "amx_tiles.h"
 #endif
 
 // AVX-512's 16 float or int32 lanes: one lane per output row of a block.
