@@ -113,12 +113,17 @@ def attention(
     return attend_rows(query, key, value, row_slots.slots, row_slots.offsets, scaling), None
 
 
-@functools.cache
 def tiles_granted() -> bool:
     """Whether passes may attend on AMX tiles: the avx512 build is this process's, the CPU has AMX-BF16, Linux
     grants the tile state, and SPECDEC_ISA asks for no path without tiles (avx2, avxvnni, avx512). Settled once
-    per process: every pass of a process must take the same path."""
-    wanted = vnni.isa() in (None, "amx") and {"avx512f", "amx_tile", "amx_bf16"} <= vnni._cpu_flags()
+    per kernel family and SPECDEC_ISA (once per process but in tests that force a family): every pass of a
+    process must take the same path."""
+    return _tiles_granted(vnni.family(), vnni.isa())
+
+
+@functools.cache
+def _tiles_granted(family: str | None, isa: str | None) -> bool:
+    wanted = isa in (None, "amx") and {"avx512f", "amx_tile", "amx_bf16"} <= vnni._cpu_flags()
     return wanted and extension() is family_extension("avx512") is not None and extension().amx_enable()
 
 
