@@ -36,11 +36,11 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def pass_of(rows: int, length: int, cached: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM):
+def pass_of(rows: int, length: int, cached: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM, heads: int = HEADS):
     """query [B, H, k, d] and keys and values [B, Hkv, cached + k, d], with a causal mask over `cached`
     slots of which about a fifth are holes (slots of refused drafts, or of other rows)."""
     generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(rows, length, HEADS, dim, generator=generator).to(dtype).transpose(1, 2)  # as transformers has it
+    query = torch.randn(rows, length, heads, dim, generator=generator).to(dtype).transpose(1, 2)  # as transformers has it
     key, value = (torch.randn(rows, KV_HEADS, cached + length, dim, generator=generator).to(dtype) for _ in range(2))
     valid = torch.rand(rows, cached, generator=generator) > 0.2
     causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -97,12 +97,25 @@ def test_the_tiles_are_softmax_attention(dim, length):
 
 
 @needs_tiles
-def test_each_row_on_the_tiles_equals_that_row_alone():
+@pytest.mark.parametrize(("heads", "dim", "threads"), [(HEADS, 64, 1), (14, 128, 2)])
+def test_each_row_on_the_tiles_equals_that_row_alone(heads, dim, threads):
     """The tile path's row invariance: rows taken together (a causal pass, its slot lists each a prefix of the
     longest's) and tree rows (one at a time) against one-row calls over their own keys, dense; 70 cached slots,
-    so that rows end in different blocks of 32. The AVX-512 path's bits differ (the negative control)."""
+    so that rows end in different blocks of 32. Also with 7 query heads a key head (16 rows' 112 query vectors
+    outgrow one round of 6 score tiles), heads of 128 (8 output tiles, two rounds) and two threads. The AVX-512
+    path's bits differ (the negative control)."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows_alone_on_the_tiles(heads, dim)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def rows_alone_on_the_tiles(heads: int, dim: int) -> None:
+    """Each row of causal passes of several lengths and of a tree against its one-row call, on the tiles."""
     for length in (1, 2, 15, 16, 17, 33, 64):
-        query, key, value, allowed = pass_of(2, length, 70, torch.bfloat16, seed=length, dim=64)
+        query, key, value, allowed = pass_of(2, length, 70, torch.bfloat16, seed=length, dim=dim, heads=heads)
         out = attend(query, key, value, allowed, tiles=True)
         assert not torch.equal(out, attend(query, key, value, allowed))
         for b in range(2):
@@ -112,7 +125,7 @@ def test_each_row_on_the_tiles_equals_that_row_alone():
                                torch.ones(1, 1, len(own), dtype=torch.bool), tiles=True)
                 assert torch.equal(out[b, i], alone[0, 0]), (length, b, i)
     parents = [-1, -1, 0, 0, 2, 1]
-    query, key, value, _ = pass_of(1, len(parents) + 1, 40, torch.bfloat16, dim=64)
+    query, key, value, _ = pass_of(1, len(parents) + 1, 40, torch.bfloat16, dim=dim, heads=heads)
     mask, _ = batch_layout([parents], len(parents))
     allowed = torch.cat([torch.ones(1, len(parents) + 1, 40, dtype=torch.bool), mask], dim=2)
     out = attend(query, key, value, allowed, tiles=True)
