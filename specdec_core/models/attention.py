@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import vnni
-from .kernels import build, cpu_flags, traceable
+from .kernels import build, cpu_flags, log, traceable
 
 IMPLEMENTATION = "specdec"
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -123,8 +123,14 @@ def tiles_granted() -> bool:
 
 @functools.cache
 def _tiles_granted(family: str | None, isa: str | None) -> bool:
-    wanted = isa in (None, "amx") and {"avx512f", "amx_tile", "amx_bf16"} <= vnni._cpu_flags()
-    return wanted and extension() is family_extension("avx512") is not None and extension().amx_enable()
+    """Logged once, where the CPU has the tiles: whether bf16 passes attend on them, and why not."""
+    has_tiles = {"avx512f", "amx_tile", "amx_bf16"} <= vnni._cpu_flags()
+    granted = (has_tiles and isa in (None, "amx") and extension() is family_extension("avx512") is not None
+               and extension().amx_enable())
+    if has_tiles:
+        why = f"{vnni.ISA_ENV}={isa or 'unset'}" + ("" if granted or isa not in (None, "amx") else ", but no avx512 build or tile state")
+        log.info("attention: row-invariant bf16 passes on %s (%s)", "AMX-BF16 tiles" if granted else "AVX registers", why)
+    return granted
 
 
 # Tools that time both paths in one process set this (`without_tiles`); passes never do.
