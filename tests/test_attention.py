@@ -63,25 +63,33 @@ def test_each_row_of_a_pass_equals_that_row_alone(dtype):
     as a one-token step finds them: dense, no holes, nothing after it."""
     for length in range(1, 65):
         query, key, value, allowed = pass_of(2, length, 30, dtype, seed=length)
-        out = attend(query, key, value, allowed)
-        for b in range(2):
-            for i in range(length):
-                own = allowed[b, i].nonzero().squeeze(1)
-                alone = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, own], value[b : b + 1, :, own],
-                               torch.ones(1, 1, len(own), dtype=torch.bool))
-                assert torch.equal(out[b, i], alone[0, 0]), (length, b, i)
+        assert_each_row_is_its_own_call(query, key, value, allowed)
 
 
 def test_a_tree_row_equals_its_path_alone():
+    assert_each_row_is_its_own_call(*tree_pass(20, torch.float32))
+
+
+def assert_each_row_is_its_own_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                                    tiles: bool = False) -> torch.Tensor:
+    """Each query row of the pass equals a one-row call over exactly its own keys, laid out as a one-token step
+    finds them: dense, no holes, nothing after it. Returns the pass's output."""
+    out = attend(query, key, value, allowed, tiles)
+    for b in range(query.shape[0]):
+        for i in range(query.shape[2]):
+            own = allowed[b, i].nonzero().squeeze(1)
+            alone = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, own], value[b : b + 1, :, own],
+                           torch.ones(1, 1, len(own), dtype=torch.bool), tiles)
+            assert torch.equal(out[b, i], alone[0, 0]), (query.shape[2], b, i)
+    return out
+
+
+def tree_pass(cached: int, dtype: torch.dtype, dim: int = DIM, heads: int = HEADS):
+    """A tree of 7 nodes after `cached` slots: query, key, value and allowed as pass_of gives them."""
     parents = [-1, -1, 0, 0, 2, 1]
-    query, key, value, _ = pass_of(1, len(parents) + 1, 20, torch.float32)
+    query, key, value, _ = pass_of(1, len(parents) + 1, cached, dtype, dim=dim, heads=heads)
     mask, _ = batch_layout([parents], len(parents))
-    allowed = torch.cat([torch.ones(1, len(parents) + 1, 20, dtype=torch.bool), mask], dim=2)
-    out = attend(query, key, value, allowed)
-    for node in range(len(parents) + 1):
-        own = allowed[0, node].nonzero().squeeze(1)
-        alone = attend(query[:, :, node : node + 1], key[:, :, own], value[:, :, own], torch.ones(1, 1, len(own), dtype=torch.bool))
-        assert torch.equal(out[0, node], alone[0, 0])
+    return query, key, value, torch.cat([torch.ones(1, len(parents) + 1, cached, dtype=torch.bool), mask], dim=2)
 
 
 needs_tiles = pytest.mark.skipif(not attention.tiles_granted(), reason="this CPU has no AMX-BF16 tiles (or SPECDEC_ISA asks for none)")
@@ -116,23 +124,9 @@ def rows_alone_on_the_tiles(heads: int, dim: int) -> None:
     """Each row of causal passes of several lengths and of a tree against its one-row call, on the tiles."""
     for length in (1, 2, 15, 16, 17, 33, 64):
         query, key, value, allowed = pass_of(2, length, 70, torch.bfloat16, seed=length, dim=dim, heads=heads)
-        out = attend(query, key, value, allowed, tiles=True)
+        out = assert_each_row_is_its_own_call(query, key, value, allowed, tiles=True)
         assert not torch.equal(out, attend(query, key, value, allowed))
-        for b in range(2):
-            for i in range(length):
-                own = allowed[b, i].nonzero().squeeze(1)
-                alone = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, own], value[b : b + 1, :, own],
-                               torch.ones(1, 1, len(own), dtype=torch.bool), tiles=True)
-                assert torch.equal(out[b, i], alone[0, 0]), (length, b, i)
-    parents = [-1, -1, 0, 0, 2, 1]
-    query, key, value, _ = pass_of(1, len(parents) + 1, 40, torch.bfloat16, dim=dim, heads=heads)
-    mask, _ = batch_layout([parents], len(parents))
-    allowed = torch.cat([torch.ones(1, len(parents) + 1, 40, dtype=torch.bool), mask], dim=2)
-    out = attend(query, key, value, allowed, tiles=True)
-    for node in range(len(parents) + 1):
-        own = allowed[0, node].nonzero().squeeze(1)
-        alone = attend(query[:, :, node : node + 1], key[:, :, own], value[:, :, own], torch.ones(1, 1, len(own), dtype=torch.bool), tiles=True)
-        assert torch.equal(out[0, node], alone[0, 0]), node
+    assert_each_row_is_its_own_call(*tree_pass(40, torch.bfloat16, dim=dim, heads=heads), tiles=True)
 
 
 def test_row_slots_are_each_rows_attended_slots_in_order():

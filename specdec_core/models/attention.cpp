@@ -39,11 +39,11 @@ constexpr int LANES = 16;
 constexpr int VECTOR = 8;  // floats per AVX2 register
 constexpr int64_t kSweep = 6;  // query heads per key head whose sums stay in registers at once
 
-// f(std::integral_constant<int, count>{}) for a count in 1..kSweep.
-template <int most = kSweep, typename F>
-void with_groups(int64_t count, F&& f) {
+// f(std::integral_constant<int, count>{}) for a count in 1..most: a run-time count as a compile-time one.
+template <int most, typename F>
+void with_count(int64_t count, F&& f) {
   if constexpr (most > 1) {
-    if (count < most) return with_groups<most - 1>(count, f);
+    if (count < most) return with_count<most - 1>(count, f);
   }
   f(std::integral_constant<int, most>{});
 }
@@ -263,7 +263,7 @@ void weighted_sums(const float* const* weights, int64_t groups, int64_t from_j, 
   // 16 outputs of up to kSweep groups at a time, their sums in registers; each value row loaded once for them.
   for (; from + LANES <= dim; from += LANES) {
     for (int64_t g0 = 0; g0 < groups; g0 += kSweep) {
-      with_groups(std::min(kSweep, groups - g0), [&](auto count) {
+      with_count<kSweep>(std::min(kSweep, groups - g0), [&](auto count) {
         constexpr int G = decltype(count)::value;
         Sixteen sums[G];
         for (int g = 0; g < G; ++g) sums[g] = Sixteen::load(acc + (g0 + g) * dim + from);
@@ -418,14 +418,6 @@ template <int n, typename F>
 void each(F&& f) {
   each(std::make_integer_sequence<int, n>{}, f);
 }
-// f(std::integral_constant<int, count>{}) for a count in 1..kAccumulators.
-template <int most = kAccumulators, typename F>
-void with_accumulators(int64_t count, F&& f) {
-  if constexpr (most > 1) {
-    if (count < most) return with_accumulators<most - 1>(count, f);
-  }
-  f(std::integral_constant<int, most>{});
-}
 
 // exp_nonpositive on 16 lanes, as two halves of 8.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -507,7 +499,7 @@ void tile_attend(const uint16_t* const* queries, int64_t count, int64_t groups, 
       for (int64_t k = 0; k < kTile; ++k) _mm512_storeu_si512(&b.keys[(s * kTile + k) * 32], r[k]);
     }
     for (int64_t t0 = 0; t0 < vectors / kTile; t0 += kAccumulators) {
-      with_accumulators(vectors / kTile - t0, [&](auto tiles) {
+      with_count<kAccumulators>(vectors / kTile - t0, [&](auto tiles) {
         constexpr int kTiles = decltype(tiles)::value;
         each<kTiles>([](auto c) { tile_zero<2 + decltype(c)::value>(); });
         for (int64_t s = 0; s < steps; ++s) {
@@ -540,7 +532,7 @@ void tile_attend(const uint16_t* const* queries, int64_t count, int64_t groups, 
   b.acc.resize(vectors * dim);
   for (int64_t t = 0; t < vectors / kTile; ++t)
     for (int64_t o0 = 0; o0 < outputs; o0 += kAccumulators) {
-      with_accumulators(outputs - o0, [&](auto tiles) {
+      with_count<kAccumulators>(outputs - o0, [&](auto tiles) {
         constexpr int kTiles = decltype(tiles)::value;
         each<kTiles>([](auto c) { tile_zero<2 + decltype(c)::value>(); });
         for (int64_t j0 = 0; j0 < slots; j0 += kPairKeys) {

@@ -124,7 +124,7 @@ def tiles_granted() -> bool:
 @functools.cache
 def _tiles_granted(family: str | None, isa: str | None) -> bool:
     """Logged once, where the CPU has the tiles: whether bf16 passes attend on them, and why not."""
-    has_tiles = {"avx512f", "amx_tile", "amx_bf16"} <= vnni._cpu_flags()
+    has_tiles = vnni.bf16_tiles()
     granted = (has_tiles and isa in (None, "amx") and extension() is family_extension("avx512") is not None
                and extension().amx_enable())
     if has_tiles:
