@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -344,28 +347,45 @@ def test_amx_outputs_equal_vnni_outputs(precision: str, dtype: str, rows: int):
     assert (on_tiles.double() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
+@contextmanager
+def every_kernel_set(setting: str, value: int) -> Iterator[int]:
+    """Every family's kernel here that has `set_<setting>` set to `value`, and set back afterwards."""
+    kernels = [kernel for kernel in map(vnni.family_kernel, FAMILIES_HERE) if hasattr(kernel, f"set_{setting}")]
+    saved = [getattr(kernel, setting)() for kernel in kernels]
+    for kernel in kernels:
+        getattr(kernel, f"set_{setting}")(value)
+    try:
+        yield value
+    finally:
+        for kernel, old in zip(kernels, saved):
+            getattr(kernel, f"set_{setting}")(old)
+
+
 @pytest.fixture(params=[1, 2])
 def register_blocks(request):
     """The AVX-512 kernel's short passes in register blocks of 1 and of 2 16-row blocks (vnni.register_blocks
-    chooses one by this CPU's speed); set back after the test."""
-    kernels = [vnni.family_kernel(name) for name in FAMILIES_HERE]
-    kernels = [kernel for kernel in kernels if hasattr(kernel, "set_register_blocks")]
-    saved = [kernel.register_blocks() for kernel in kernels]
-    for kernel in kernels:
-        kernel.set_register_blocks(request.param)
-    yield request.param
-    for kernel, blocks in zip(kernels, saved):
-        kernel.set_register_blocks(blocks)
+    chooses one by this CPU's speed)."""
+    with every_kernel_set("register_blocks", request.param) as blocks:
+        yield blocks
+
+
+@pytest.fixture(params=[0, vnni.FAR_PREFETCH_GROUPS])
+def far_prefetch(request):
+    """Every family's kernel with and without the far prefetch into L2 (vnni.far_prefetch chooses by this CPU's
+    speed)."""
+    with every_kernel_set("far_prefetch", request.param) as groups:
+        yield groups
 
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("precision", quant.QUANTIZED)
-def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dtype: str, register_blocks: int):
-    """Each family (and AMX tiles, where they run), the AVX-512 one in register blocks of either size, gives
-    every row of a pass of 1 to 64 rows exactly what a one-row pass on any other path gives: the integer sums
-    (checked against the quantization math) and the outputs, bit for bit. So text does not depend on the batch,
-    the pass, nor the CPU's kernel family."""
+def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dtype: str, register_blocks: int,
+                                                               far_prefetch: int):
+    """Each family (and AMX tiles, where they run), the AVX-512 one in register blocks of either size, with and
+    without the far prefetch, gives every row of a pass of 1 to 64 rows exactly what a one-row pass on any other
+    path gives: the integer sums (checked against the quantization math) and the outputs, bit for bit. So text
+    does not depend on the batch, the pass, nor the CPU's kernel family."""
     layer = packed_layer(precision, 48, 352, seed=9)
     x = (torch.randn(64, 352) * 3).to(DTYPES[dtype])
     paths = [(vnni.family_kernel(name), False) for name in FAMILIES_HERE]
@@ -378,6 +398,17 @@ def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dt
         for rows in range(1, 65):
             assert torch.equal(kernel.mm(x[:rows], layer.packed, layer.scale_min, tiles), alone[:rows]), (kernel.__name__, tiles, rows)
         assert torch.equal(kernel.dequantize_t(layer.packed, layer.scale_min), paths[0][0].dequantize_t(layer.packed, layer.scale_min))
+
+
+@pytest.mark.parametrize("faster", [0, vnni.FAR_PREFETCH_GROUPS])
+def test_the_far_prefetch_is_taken_where_it_passes_a_row_faster_and_the_log_says_so(faster, monkeypatch, caplog):
+    """far_prefetch keeps whichever of none and FAR_PREFETCH_GROUPS timed faster, and logs both times."""
+    ms = {0: 0.30, vnni.FAR_PREFETCH_GROUPS: 0.30} | {faster: 0.25}
+    monkeypatch.setattr(vnni, "_pass_ms", lambda kernel, rows, variants: {groups: ms[groups] for groups in variants})
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert vnni.far_prefetch(SimpleNamespace(set_far_prefetch=lambda groups: None)) == faster
+    said = f"{faster} groups ahead (one row" if faster else "by the CPU alone"
+    assert f"weights prefetched into L2 {said}" in caplog.text and "0.250 ms, 0.300 ms" in caplog.text
 
 
 @pytest.mark.parametrize("flags,asked,chosen,said", [

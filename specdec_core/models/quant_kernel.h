@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 
@@ -48,13 +49,23 @@ void with_count(int64_t count, F&& f) {
   f(std::integral_constant<int, most>{});
 }
 
-// A few groups ahead: one core's own prefetchers leave its share of the memory bandwidth unused.
+// Groups prefetched into L2 beyond kAhead (0: none): the CPU's own choice, timed at start (vnni.far_prefetch).
+std::atomic<int64_t> far_ahead{0};
+
+// A few groups ahead into L1, and where chosen far ahead into L2: one core's own prefetchers leave its share of
+// the memory bandwidth unused. Prefetches past the weights' end are harmless (they never fault).
 template <int bits>
 void prefetch_group(const uint8_t* w, const uint16_t* sm) {
   for (int64_t line = 0; line < group_bytes<bits>(); line += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * group_bytes<bits>() + line), _MM_HINT_T0);
   }
   _mm_prefetch(reinterpret_cast<const char*>(sm + kAhead * 32), _MM_HINT_T0);
+  if (const int64_t far = far_ahead.load(std::memory_order_relaxed)) {
+    for (int64_t line = 0; line < group_bytes<bits>(); line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + far * group_bytes<bits>() + line), _MM_HINT_T1);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(sm + far * 32), _MM_HINT_T1);
+  }
 }
 
 // x [M, K] -> codes [M, K] int8, and per row and group: the code sum, scale and scale * sum(codes).
@@ -242,4 +253,7 @@ torch::Tensor group_sums(const torch::Tensor& x, const torch::Tensor& packed, co
   module.def("dequantize_t", &dequantize_weights_t, "the weights as bf16 [K, N]");                                   \
   module.def("mm", &quantized_mm, "y = x @ dequant(int4 or int8 weights).T with int8 activations (tiles: AMX-INT8)"); \
   module.def("group_sums", &group_sums, "the int32 sums per token, group and output row (tests)");                  \
+  module.def("set_far_prefetch", [](int64_t groups) { far_ahead.store(groups, std::memory_order_relaxed); },           \
+             "groups of weights prefetched into L2 beyond the near prefetch, 0 for none (the same bits)");           \
+  module.def("far_prefetch", [] { return far_ahead.load(std::memory_order_relaxed); }, "set_far_prefetch's value");   \
   STEP_OPS_MODULE(module)
