@@ -6,6 +6,7 @@ import logging
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -398,6 +399,20 @@ def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dt
         for rows in range(1, 65):
             assert torch.equal(kernel.mm(x[:rows], layer.packed, layer.scale_min, tiles), alone[:rows]), (kernel.__name__, tiles, rows)
         assert torch.equal(kernel.dequantize_t(layer.packed, layer.scale_min), paths[0][0].dequantize_t(layer.packed, layer.scale_min))
+
+
+@pytest.mark.parametrize("cache_mb,copies,rounds", [(0, 8, 15), (32, 8, 15), (480, 88, 5), (10_000, 124, 5)])
+def test_the_start_times_passes_over_copies_that_outgrow_the_cache(cache_mb: int, copies: int, rounds: int):
+    """register_blocks, far_prefetch and tiles_faster time an 8.6 MB layer over copies 1.5x the last-level cache
+    (at least 8, at most 1 GiB), in fewer rounds the more copies there are."""
+    layer_bytes = 8960 * 1536 * 5 // 8
+    assert vnni.timing_copies(layer_bytes, cache_mb << 20) == (copies, rounds)
+
+
+def test_the_last_level_cache_is_read_from_sysfs():
+    if not list(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")):
+        pytest.skip("this machine's sysfs reports no CPU caches")
+    assert vnni.last_level_cache_bytes() >= 256 << 10
 
 
 @pytest.mark.parametrize("faster", [0, vnni.FAR_PREFETCH_GROUPS])

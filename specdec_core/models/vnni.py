@@ -144,8 +144,30 @@ def family_kernel(name: str) -> ModuleType | None:
 # 1 and 4 tokens, 0.95x at 8, 0.98x and 0.96x at 16 and 32 (48 groups: 0.95-0.98x; 192: 0.96-0.99x; docs/QUANT.md).
 FAR_PREFETCH_GROUPS = 96
 # What register_blocks, far_prefetch and tiles_faster time: passes of a gate/up-sized int4 layer, over copies that
-# outgrow the CPU's caches (a decode step reads its weights from memory), interleaved round by round.
-BLOCKS_LAYER, BLOCKS_COPIES, BLOCKS_ROUNDS = (8960, 1536), 8, 15
+# outgrow the CPU's last-level cache (a decode step reads its weights from memory; 1.5x the cache, at least 8 copies,
+# at most 1 GiB), interleaved round by round. On a Xeon whose VM reports 480 MB of L3, 8 copies (69 MB) passed from
+# cache, 0.17 ms a pass against 0.31-0.34 ms from memory, where register blocks of 1 and 2 timed level (0.167 /
+# 0.166 ms), so the start chose either, though from memory 2 is faster (0.316 against 0.337).
+BLOCKS_LAYER, BLOCKS_MIN_COPIES, BLOCKS_MOST_BYTES, BLOCKS_ROUNDS = (8960, 1536), 8, 2**30, 15
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache Linux reports for the first CPU (sysfs), 0 where it reports none."""
+    sizes = [0]
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in "KMG":
+            sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]])
+    return max(sizes)
+
+
+def timing_copies(layer_bytes: int, cache_bytes: int) -> tuple[int, int]:
+    """How many copies of a layer of `layer_bytes` the start's timings pass over, and in how many rounds: enough
+    copies to outgrow a cache of `cache_bytes`, and fewer rounds the more copies (about as many passes as 8 copies
+    in 15 rounds make, at least 5 rounds)."""
+    wanted = math.ceil(1.5 * cache_bytes / layer_bytes)
+    copies = max(BLOCKS_MIN_COPIES, min(wanted, BLOCKS_MOST_BYTES // layer_bytes))
+    return copies, max(5, BLOCKS_ROUNDS * BLOCKS_MIN_COPIES // copies)
 
 
 @functools.cache
@@ -163,17 +185,18 @@ def _pass_ms(kernel: ModuleType, rows: int, variants: dict[object, Callable[[], 
     """Each variant's median time (ms) for a pass of `rows` rows through BLOCKS_LAYER on `kernel`, with tiles where
     the variant's setup returns True; the variants interleaved round by round."""
     packed, scale_min = _timing_layer()
-    layers = [(packed.clone(), scale_min.clone()) for _ in range(BLOCKS_COPIES)]
+    copies, rounds = timing_copies(packed.nbytes + scale_min.nbytes, last_level_cache_bytes())
+    layers = [(packed.clone(), scale_min.clone()) for _ in range(copies)]
     x = torch.randn(rows, BLOCKS_LAYER[1], generator=torch.Generator().manual_seed(1))
     seconds: dict[object, list[float]] = {variant: [] for variant in variants}
-    for _ in range(BLOCKS_ROUNDS):
+    for _ in range(rounds):
         for variant, setup in variants.items():
             tiles = bool(setup())
             start = time.perf_counter()
             for weights, scale_and_min in layers:
                 kernel.mm(x, weights, scale_and_min, tiles)
             seconds[variant].append(time.perf_counter() - start)
-    return {variant: 1e3 * statistics.median(times) / BLOCKS_COPIES for variant, times in seconds.items()}
+    return {variant: 1e3 * statistics.median(times) / copies for variant, times in seconds.items()}
 
 
 def register_blocks(kernel: ModuleType) -> int:
