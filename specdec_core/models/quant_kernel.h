@@ -52,20 +52,21 @@ void with_count(int64_t count, F&& f) {
 // Groups prefetched into L2 beyond kAhead (0: none): the CPU's own choice, timed at start (vnni.far_prefetch).
 std::atomic<int64_t> far_ahead{0};
 
+// The weights and scales of the group `ahead` groups on, into the cache level `hint` names.
+template <auto hint, int bits>
+void prefetch_ahead(const uint8_t* w, const uint16_t* sm, int64_t ahead) {
+  for (int64_t line = 0; line < group_bytes<bits>(); line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + ahead * group_bytes<bits>() + line), hint);
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(sm + ahead * 32), hint);
+}
+
 // A few groups ahead into L1, and where chosen far ahead into L2: one core's own prefetchers leave its share of
 // the memory bandwidth unused. Prefetches past the weights' end are harmless (they never fault).
 template <int bits>
 void prefetch_group(const uint8_t* w, const uint16_t* sm) {
-  for (int64_t line = 0; line < group_bytes<bits>(); line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * group_bytes<bits>() + line), _MM_HINT_T0);
-  }
-  _mm_prefetch(reinterpret_cast<const char*>(sm + kAhead * 32), _MM_HINT_T0);
-  if (const int64_t far = far_ahead.load(std::memory_order_relaxed)) {
-    for (int64_t line = 0; line < group_bytes<bits>(); line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + far * group_bytes<bits>() + line), _MM_HINT_T1);
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(sm + far * 32), _MM_HINT_T1);
-  }
+  prefetch_ahead<_MM_HINT_T0, bits>(w, sm, kAhead);
+  if (const int64_t far = far_ahead.load(std::memory_order_relaxed)) prefetch_ahead<_MM_HINT_T1, bits>(w, sm, far);
 }
 
 // x [M, K] -> codes [M, K] int8, and per row and group: the code sum, scale and scale * sum(codes).
