@@ -37,6 +37,7 @@ from specdec_core.models.quant import (
     INT4_GROUP_SIZES,
     Int4Linear,
     Int8Linear,
+    PRECISIONS,
     QuantLinear,
     VnniLinear,
     cache_file,
@@ -117,8 +118,8 @@ def _copies(layer: nn.Module, working_set: int) -> list[nn.Module]:
 @torch.no_grad()
 def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[int], working_set: int) -> None:
     print(f"machine: {machine_line()}; each variant cycles through {working_set / 1e6:.0f} MB of copies\n")
-    # int8, int4 gN: torch's kernels; int8 / int4 vnni: ours (g32), where this CPU runs it.
-    names = ["int8"] + [f"int4 g{g}" for g in groups] + (["int8 vnni", "int4 vnni"] if vnni.extension() else [])
+    # int8, int4 gN: torch's kernels; int4 / int6 / int8 vnni: ours (g32), where this CPU runs it.
+    names = ["int8"] + [f"int4 g{g}" for g in groups] + ([f"{p} vnni" for p in PRECISIONS] if vnni.extension() else [])
     print("| layer (out x in) | tokens | bf16 ms | " + " | ".join(f"{v} ms (x bf16)" for v in names) + " |")
     print("|---" * (3 + len(names)) + "|")
     for name, out_features, in_features in QWEN_1_5B_LAYERS:
@@ -126,7 +127,7 @@ def bench_layers(tokens: list[int], rounds: int, seconds: float, groups: list[in
         layers = {"bf16": linear, "int8": Int8Linear.from_linear(linear)}
         layers.update({f"int4 g{g}": Int4Linear.from_linear(linear, g) for g in groups})
         if vnni.extension():
-            layers.update({f"{p} vnni": VnniLinear.from_linear(linear, p) for p in ("int8", "int4")})
+            layers.update({f"{p} vnni": VnniLinear.from_linear(linear, p) for p in PRECISIONS})
         copies = {v: _copies(layer, working_set) for v, layer in layers.items()}
         for k in tokens:
             x = torch.randn(k, in_features, dtype=torch.bfloat16)
@@ -184,13 +185,13 @@ def bench_layer_passes(shapes: list[tuple[str, int, int]], tokens: list[int], pa
                        working_set: int) -> dict[str, dict[str, dict[int, list[float]]]]:
     """ms per call of our kernel's layers at each pass length and path, interleaved; prints the table of
     medians and of each pass's cost over the one-token pass of the same path and round. The body's
-    layers are int4, the output layer int8 (as served)."""
+    layers are int4, the output layer HEAD_WEIGHTS (as served)."""
     print(f"machine: {machine_line()}; each variant cycles through {working_set / 1e6:.0f} MB of copies\n")
     results = {}
     print("| layer (out x in) | weights | tokens | " + " | ".join(f"{p} ms (x 1 token)" for p in paths) + " |")
     print("|---" * (3 + len(paths)) + "|")
     for name, out_features, in_features in shapes:
-        precision = "int8" if name == "lm_head" else "int4"
+        precision = HEAD_WEIGHTS if name == "lm_head" else "int4"
         layer = VnniLinear.from_linear(nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16), precision)
         copies = _copies(layer, working_set)
         inputs = {k: torch.randn(k, in_features, dtype=torch.bfloat16) for k in tokens}
@@ -246,7 +247,7 @@ def bench_model_passes(model: str, context: int, tokens: list[int], paths: list[
     timer = SectionTimer(runner.model)
     ids = runner.tokenizer(inspect.getsource(importlib.import_module(HELD_OUT_MODULE)))["input_ids"]
     cache, _, _ = runner.prefill(ids[:context])
-    print(f"machine: {machine_line()}\nmodel: {model} int4 (head int8), batch 1, a context of {context} tokens; "
+    print(f"machine: {machine_line()}\nmodel: {model} int4 (head {HEAD_WEIGHTS}), batch 1, a context of {context} tokens; "
           f"per measurement the median of {passes} passes\n")
 
     def measure(k: int) -> Callable[[], dict[str, float]]:
@@ -324,7 +325,7 @@ def bench_pass_cost(model: str | None, shapes: list[tuple[str, int, int]], token
     if out:
         out.write_text(json.dumps({"machine": machine_line(), "tokens": tokens, "layers": layers, "model": whole}))
     if plot:
-        title = f"{model or 'layers'}: int4 (head int8), {torch.get_num_threads()} threads, the cost of a pass of k tokens"
+        title = f"{model or 'layers'}: int4 (head {HEAD_WEIGHTS}), {torch.get_num_threads()} threads, the cost of a pass of k tokens"
         plot_pass_costs(layers, whole, tokens, title, plot)
 
 

@@ -86,7 +86,7 @@ def vnni_reference(linear: nn.Linear, precision: str, x: torch.Tensor, quantize_
         scales, zeros = scales_and_zeros.double().transpose(0, 1).unbind(dim=2)
         mins = (zeros - 8 * scales).half().double()
     else:
-        q, scales, mins = quant.quantize_uint8_groups(weight, 32)
+        q, scales, mins = quant.quantize_uint_groups(weight, 32, int(precision[3:]))
         scales, mins = scales.double(), mins.double()
     n, k = q.shape
     w = (q.double().reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]).reshape(n, k)
@@ -101,7 +101,7 @@ def vnni_reference(linear: nn.Linear, precision: str, x: torch.Tensor, quantize_
 @needs_vnni
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 64, vnni.DEQUANTIZE_ROWS])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("precision", quant.QUANTIZED)
+@pytest.mark.parametrize("precision", quant.PRECISIONS)
 def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str, kernel_family: str):
     torch.manual_seed(3)
     linear = nn.Linear(256, 48, bias=False, dtype=DTYPES[dtype])
@@ -116,7 +116,7 @@ def test_vnni_layer_matches_its_reference(precision: str, rows: int, dtype: str,
 
 
 @needs_vnni
-@pytest.mark.parametrize("precision", quant.QUANTIZED)
+@pytest.mark.parametrize("precision", quant.PRECISIONS)
 def test_vnni_rows_do_not_depend_on_the_pass(precision: str, kernel_family: str):
     """A row's result is the same in a pass of one row or of many, on each family: a verify pass over
     several tokens computes exactly what the single-token steps of plain decoding compute."""
@@ -143,7 +143,7 @@ def test_a_row_invariant_pass_stays_on_the_kernel_past_the_dequantizing_rows(ker
 
 @needs_vnni
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("precision", quant.QUANTIZED)
+@pytest.mark.parametrize("precision", quant.PRECISIONS)
 def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, bias: bool, kernel_family: str):
     """q, k and v fused into one layer (one activation quantization, one kernel call) give each output row
     exactly what its own layer gives, at every pass length, and the separate layers then read views of the
@@ -307,8 +307,12 @@ def reference_group_sums(layer: VnniLinear, x: torch.Tensor) -> torch.Tensor:
     per 32 inputs in float32, as the kernel rounds them, times the weights' codes, exactly (int64)."""
     n, k = layer.out_features, layer.in_features
     operands = layer.packed.view(n // 16, k // 32, -1, 64)
-    if layer.precision == "int4":  # chunk c holds operand 2c in its low nibbles, 2c + 1 in its high
-        operands = torch.stack([operands & 15, operands >> 4], dim=3).flatten(2, 3)
+    if layer.precision in ("int4", "int6"):  # chunk c holds operand 2c in its low nibbles, 2c + 1 in its high
+        low = torch.stack([operands[:, :, :4] & 15, operands[:, :, :4] >> 4], dim=3).flatten(2, 3)
+        if layer.precision == "int6":  # chunk 4 + c holds operands 4c..4c + 3's top 2 bits, from the bottom
+            tops = torch.stack([operands[:, :, 4:] >> shift & 3 for shift in (0, 2, 4, 6)], dim=3).flatten(2, 3)
+            low = low | tops << 4
+        operands = low
     # operands [N/16, K/32, 8, 64]: byte 4r + j of operand i is row r's code for input 4i + j.
     q = operands.view(n // 16, k // 32, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 32, 32).long()
     groups = x.float().reshape(x.shape[0], k // 32, 32)
@@ -322,7 +326,7 @@ def reference_group_sums(layer: VnniLinear, x: torch.Tensor) -> torch.Tensor:
 
 @needs_amx
 @pytest.mark.parametrize("rows", AMX_ROWS)
-@pytest.mark.parametrize("precision", quant.QUANTIZED)
+@pytest.mark.parametrize("precision", quant.PRECISIONS)
 def test_amx_group_sums_equal_vnni_and_the_reference(precision: str, rows: int):
     layer = packed_layer(precision, 48, 320, seed=5)
     x = torch.randn(rows, 320)
@@ -334,7 +338,7 @@ def test_amx_group_sums_equal_vnni_and_the_reference(precision: str, rows: int):
 @needs_amx
 @pytest.mark.parametrize("rows", AMX_ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("precision", quant.QUANTIZED)
+@pytest.mark.parametrize("precision", quant.PRECISIONS)
 def test_amx_outputs_equal_vnni_outputs(precision: str, dtype: str, rows: int):
     torch.manual_seed(6)
     linear = nn.Linear(352, 64, bias=False, dtype=DTYPES[dtype])
@@ -380,7 +384,7 @@ def far_prefetch(request):
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("precision", quant.QUANTIZED)
+@pytest.mark.parametrize("precision", quant.PRECISIONS)
 def test_every_path_computes_the_same_bits_at_every_row_count(precision: str, dtype: str, register_blocks: int,
                                                                far_prefetch: int):
     """Each family (and AMX tiles, where they run), the AVX-512 one in register blocks of either size, with and
@@ -548,7 +552,7 @@ def test_amx_takes_passes_from_amx_min_rows(monkeypatch, isa_chosen_anew, long_p
 def test_int4_on_this_cpu_uses_the_vnni_kernel(tmp_path):
     model = tiny_runner().model
     quantize_model(model, "int4", 32, quant.cache_file(tmp_path, "int4", 32, torch.device("cpu")))
-    assert {m.precision for m in model.modules() if isinstance(m, VnniLinear)} == {"int4", "int8"}  # int8: the head
+    assert {m.precision for m in model.modules() if isinstance(m, VnniLinear)} == {"int4", quant.HEAD_WEIGHTS}  # the head
     assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
     assert (tmp_path / "packed-int4-g32-vnni.safetensors").is_file()
 
@@ -615,8 +619,9 @@ def test_unpackable_layers_fall_back_to_int8_and_say_so(caplog):
         layers = quantize_model(model, "int4", group_size=128)
     assert layers["model.layers.0.mlp.down_proj"] == "int4"
     assert layers["model.layers.0.self_attn.q_proj"] == "int8"
-    assert layers["lm_head"] == "int8"  # the output layer's default (quant.HEAD_WEIGHTS)
-    assert "q_proj cannot be int4" in caplog.text
+    # The output layer's default, int6, is our kernel's only, which takes groups of 32 alone: int8 then.
+    assert quant.HEAD_WEIGHTS == "int6" and layers["lm_head"] == "int8"
+    assert "q_proj cannot be int4" in caplog.text and "lm_head cannot be int6" in caplog.text
 
 
 @pytest.mark.parametrize("weights", quant.QUANTIZED)

@@ -39,6 +39,9 @@ from . import vnni
 log = logging.getLogger("specdec")
 
 QUANTIZED = ("int4", "int8")
+# What a layer may get, narrowest first (a layer falls back to the next): int6 is our kernel's only (the output
+# layer's default, below).
+PRECISIONS = ("int4", "int6", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the int4 kernels implement
 # g32 matches the 32-weight blocks of the 4-bit GGUF tensors (Q4_K, Q4_1) our weights were
 # converted from, so int4 can land on their grid again; g128 spans four blocks of different grids
@@ -49,16 +52,17 @@ DEFAULT_GROUP_SIZE = 32
 INT4_LEVELS = (15, 14, 13, 12)
 ROWS_PER_CHUNK = 2048
 # The output layer's default precision. It comes from a 6- or 8-bit GGUF tensor: int4 there costs
-# 0.013-0.067 of argmax agreement with bf16 (int8: under 0.007) for 9-21% more tokens/s;
-# docs/QUANT.md, "The output layer".
-HEAD_WEIGHTS = "int8"
-CACHE_FORMAT = 3  # bump when the cache's layout or quantization math changes
+# 0.013-0.067 of argmax agreement with bf16 (int8: under 0.007) for 9-21% more tokens/s; int6 (7 bits a weight
+# with its scales, against int8's 9) costs what int8 does and reads a fifth less; docs/QUANT.md, "The output layer".
+HEAD_WEIGHTS = "int6"
+CACHE_FORMAT = 4  # bump when the cache's layout or quantization math changes
 SCHEME = {  # written into each cache manifest, for whoever reads one
     "int8": "symmetric, one scale per output channel: w = q * scale (torch's kernel); asymmetric per 32 "
     "inputs, float16 scale and min: w = q * scale + min (vnni)",
     "int4": "asymmetric per group of input weights, step (max - min) / levels with the least squared "
     f"error for levels in {INT4_LEVELS}: w = (q - 8) * scale + zero (torch's kernel), or with float16 "
     "scale and min = zero - 8 * scale: w = q * scale + min (vnni)",
+    "int6": "asymmetric per 32 inputs, float16 scale and min: w = q * scale + min, q in 0..63 (vnni only)",
 }
 
 
@@ -221,13 +225,14 @@ class Int4Linear(QuantLinear):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-def quantize_uint8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 8-bit per group of input weights: (q [N, K] in 0..255, scales, mins [N, K / group]
+def quantize_uint_groups(weight: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric `bits`-bit per group of input weights: (q [N, K] in 0..2^bits - 1, scales, mins [N, K / group]
     float16); w ~ q * scale + min."""
+    top = 2**bits - 1
     w = weight.float().reshape(weight.shape[0], -1, group_size)
     mins = w.amin(dim=2).half().float()
-    scales = ((w.amax(dim=2) - mins) / 255).clamp(min=1e-7).half().float()
-    q = ((w - mins[..., None]) / scales[..., None]).round().clamp(0, 255).to(torch.int32)
+    scales = ((w.amax(dim=2) - mins) / top).clamp(min=1e-7).half().float()
+    q = ((w - mins[..., None]) / scales[..., None]).round().clamp(0, top).to(torch.int32)
     return q.reshape(weight.shape), scales.half(), mins.half()
 
 
@@ -253,7 +258,8 @@ class VnniLinear(QuantLinear):
             scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(dim=2)
             packed = vnni.pack(q, scales, zeros - 8 * scales, bits=4)
         else:
-            packed = vnni.pack(*quantize_uint8_groups(weight, vnni.GROUP_SIZE), bits=8)
+            bits = int(precision.removeprefix("int"))
+            packed = vnni.pack(*quantize_uint_groups(weight, vnni.GROUP_SIZE, bits), bits=bits)
         return cls(*packed, linear.bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,6 +346,8 @@ def _quantize_layer(linear: nn.Linear, precision: str, group_size: int) -> Quant
     weight = linear.weight
     if vnni.supports(*weight.shape, group_size, weight.device):
         layer = VnniLinear.from_linear(linear, precision)
+    elif precision == "int6":
+        raise UnsupportedLayer("int6 runs on our kernel only, which does not run here")
     elif precision == "int8":
         layer = Int8Linear.from_linear(linear)
     else:
@@ -351,7 +359,9 @@ def _quantize_layer(linear: nn.Linear, precision: str, group_size: int) -> Quant
 
 def _quantize_with_fallback(name: str, linear: nn.Linear, precision: str, group_size: int) -> QuantLinear | None:
     """The layer at `precision`, else at the next wider one; None keeps the float layer. Fallbacks are logged."""
-    for candidate in QUANTIZED[QUANTIZED.index(precision):]:
+    # Wider ones that run on every kernel: where int4 fails on ours, int6 would fail for the same reason.
+    wider = [p for p in QUANTIZED if PRECISIONS.index(p) > PRECISIONS.index(precision)]
+    for candidate in [precision, *wider]:
         try:
             return _quantize_layer(linear, candidate, group_size)
         except (UnsupportedLayer, RuntimeError) as error:
@@ -406,7 +416,7 @@ def quantize_model(
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear; return each
     replaced layer's precision by name.
 
-    `head_weights` is the output layer's precision (int8 or int4; another name leaves it float).
+    `head_weights` is the output layer's precision (one of PRECISIONS; another name leaves it float).
     With `cache_path`, packed weights made from the same float weights with the same settings are
     loaded from there instead of quantizing again; otherwise they are quantized and saved there.
     """
@@ -440,7 +450,7 @@ def quantize_model(
     for name, precision in tqdm(wanted.items(), desc=f"quantize to {weights}", unit="layer", disable=len(wanted) < 100):
         # pop: the float layer is freed as soon as its replacement is in (peak memory on CUDA).
         linear = linears.pop(name)
-        if precision in QUANTIZED and (layer := _quantize_with_fallback(name, linear, precision, group_size)):
+        if precision in PRECISIONS and (layer := _quantize_with_fallback(name, linear, precision, group_size)):
             _replace(model, name, layer)
             layers[name] = layer.precision
     if cache_path:

@@ -10,6 +10,8 @@
 // twice as often: passes of 4-32 rows took 1.1-1.25x longer, docs/QUANT.md).
 // - int4: a pair is at most 2 * 15 * 127 = 3,810 in size, so a group's 8 operands add up in int16
 //   (at most 30,480 < 32,767) before one `vpmaddwd`.
+// - int6: a pair is at most 2 * 63 * 127 = 16,002, but 8 operands' pairs would not add up in int16,
+//   so each operand's pairs are widened to int32 at once (`vpmaddwd` by ones).
 // - int8: codes 0..255 would saturate (2 * 255 * 127 = 64,770). Each code is taken as s = q - 128
 //   (its top bit flipped), `vpmaddubsw` multiplies |s| (0..128, unsigned) by the activation code
 //   with s's sign (|a| <= 127), at most 2 * 128 * 127 = 32,512 a pair, and 128 * the activations'
@@ -81,15 +83,20 @@ struct Simd {
   static void operands(const uint8_t* w, int part, I op[8]) {
     for (int i = 0; i < 8; ++i) op[i] = operand<bits>(w, part, i);
   }
-  // Operand i of one group for one part: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk c.
+  // Operand i of one group for one part: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk
+  // c; int6 adds bits 2(i % 4) and 2(i % 4) + 1 of chunk 4 + i / 4 as the code's bits 4 and 5.
   template <int bits>
   static I operand(const uint8_t* w, int part, int i) {
-    if constexpr (bits == 4) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * (i / 2) + 32 * part));
-      const __m256i nibble = _mm256_set1_epi8(0x0F);
-      return _mm256_and_si256(i % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
-    } else {
+    if constexpr (bits == 8) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * i + 32 * part));
+    } else {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * (i / 2) + 32 * part));
+      const __m256i low = _mm256_and_si256(i % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+      if constexpr (bits == 4) return low;
+      const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * (4 + i / 4) + 32 * part));
+      const int up = 4 - 2 * (i % 4);  // moves the operand's 2 bits to bits 4 and 5 (16-bit shifts: masked after)
+      const __m256i moved = up > 0 ? _mm256_slli_epi16(tops, up) : up < 0 ? _mm256_srli_epi16(tops, -up) : tops;
+      return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
     }
   }
 };
@@ -110,16 +117,18 @@ template <int bits>
 __m256i group_sum(__m256i dot, int32_t) { return dot; }
 #else
 constexpr bool kVnni = false;
-// int4: int16 pair sums (no saturation, header); int8: |s| times the activations with s's sign, widened at once.
-// `magnitude` and `shifted` are |s| and s of the operand (int8 only).
+// int4: int16 pair sums (no saturation, header); int6: pair sums widened at once; int8: |s| times the activations
+// with s's sign, widened at once. `magnitude` and `shifted` are |s| and s of the operand (int8 only).
 template <int bits>
 __m256i accumulate(__m256i dot, __m256i op, __m256i magnitude, __m256i shifted, __m256i a) {
   if constexpr (bits == 4) return _mm256_add_epi16(dot, _mm256_maddubs_epi16(op, a));
+  if constexpr (bits == 6) return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(op, a), _mm256_set1_epi16(1)));
   return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, shifted)), _mm256_set1_epi16(1)));
 }
 template <int bits>
 __m256i group_sum(__m256i dot, int32_t code_sum) {
   if constexpr (bits == 4) return _mm256_madd_epi16(dot, _mm256_set1_epi16(1));
+  if constexpr (bits == 6) return dot;
   return _mm256_add_epi32(dot, _mm256_set1_epi32(128 * code_sum));
 }
 #endif

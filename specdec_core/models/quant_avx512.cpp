@@ -7,7 +7,7 @@
 // Passes of several rows (verify passes, short prefills) can take the integer sums from AMX tiles
 // instead (vnni.py chooses where): `tdpbsud` multiplies up to 16 activation rows (A, signed) by one
 // group's 8 operands, which are exactly a B tile's 8 rows of 64 bytes (int8 loads them in place;
-// int4 unpacks them to bytes first), into a 16 x 16 tile of int32 sums.
+// int4 and int6 unpack them to bytes first), into a 16 x 16 tile of int32 sums.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -66,14 +66,20 @@ struct Simd {
   static void operands(const uint8_t* w, int, I op[8]) {
     for (int i = 0; i < 8; ++i) op[i] = operand<bits>(w, i);
   }
-  // Operand i: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk c.
+  // Operand i: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk c; int6 adds
+  // bits 2(i % 4) and 2(i % 4) + 1 of chunk 4 + i / 4 as the code's bits 4 and 5.
   template <int bits>
   static I operand(const uint8_t* w, int i) {
-    if constexpr (bits == 4) {
-      const __m512i bytes = _mm512_loadu_si512(w + 64 * (i / 2));
-      return _mm512_and_si512(i % 2 ? _mm512_srli_epi16(bytes, 4) : bytes, _mm512_set1_epi8(0x0F));
-    } else {
+    if constexpr (bits == 8) {
       return _mm512_loadu_si512(w + 64 * i);
+    } else {
+      const __m512i bytes = _mm512_loadu_si512(w + 64 * (i / 2));
+      const __m512i low = _mm512_and_si512(i % 2 ? _mm512_srli_epi16(bytes, 4) : bytes, _mm512_set1_epi8(0x0F));
+      if constexpr (bits == 4) return low;
+      const __m512i tops = _mm512_loadu_si512(w + 64 * (4 + i / 4));
+      const int up = 4 - 2 * (i % 4);  // moves the operand's 2 bits to bits 4 and 5 (16-bit shifts: masked after)
+      const __m512i moved = up > 0 ? _mm512_slli_epi16(tops, up) : up < 0 ? _mm512_srli_epi16(tops, -up) : tops;
+      return _mm512_or_si512(low, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
     }
   }
 };
@@ -158,7 +164,7 @@ void vnni_pass(const PassInputs& in, const Epilogue& e) {
 // activation rows x 32 codes), tmm4-7 C (rows x 16 int32 sums), a ring of 4, so that the tile
 // unit works kLag groups ahead of the float epilogue instead of waiting on it.
 constexpr int64_t kTileRows = 16, kLag = 2, kSlots = 4, kOperandBytes = 8 * 64;
-// int4 groups are unpacked to bytes this many groups before their tile load reads them: a tile load waits for
+// int4 and int6 groups are unpacked to bytes this many groups before their tile load reads them: a tile load waits for
 // stores to the bytes it reads to leave the core, and at once that wait cost a pass of 2-16 rows 1.2-1.3x its time
 // (8960 x 1536 on a Xeon with AMX, 2 threads: 0.51 against 0.39 ms at 2 rows, 0.66 against 0.54 at 16).
 constexpr int64_t kUnpackAhead = 2;
@@ -184,7 +190,7 @@ void with_slot(int64_t g, F&& f) {
 
 // `tokens` (<= 16) activation rows from t0, one block of 16 rows; the A tiles read the configured
 // rows (>= tokens; codes past M are zero). int8 operands load straight from the packed weights;
-// int4 ones from `unpacked` (the block's groups as bytes), which the block's first call (`first`,
+// int4 and int6 ones from `unpacked` (the block's groups as bytes), which the block's first call (`first`,
 // the one that streams the weights from memory) fills and its later calls, for later tokens, reuse.
 template <int bits, int tokens, typename Epilogue>
 void amx_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* unpacked, bool first, const Epilogue& epilogue) {
@@ -196,17 +202,17 @@ void amx_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* unpacked, 
   for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
   const auto unpack = [&](int64_t g) {
     __m512i op[8];
-    Simd::operands<4>(w + g * group_bytes<bits>(), 0, op);
+    Simd::operands<bits>(w + g * group_bytes<bits>(), 0, op);
     for (int i = 0; i < 8; ++i) _mm512_store_si512(unpacked + g * kOperandBytes + 64 * i, op[i]);
   };
-  if constexpr (bits == 4) {
+  if constexpr (bits != 8) {
     if (first) for (int64_t g = 0; g < std::min(kUnpackAhead, groups); ++g) unpack(g);
   }
   const auto issue = [&](auto slot, int64_t g) {
     constexpr int s = decltype(slot)::value;
     if (first) prefetch_group<bits>(w + g * group_bytes<bits>(), sm + g * 32);
     const uint8_t* b = w + g * group_bytes<bits>();
-    if constexpr (bits == 4) {
+    if constexpr (bits != 8) {
       b = unpacked + g * kOperandBytes;
       if (first && g + kUnpackAhead < groups) unpack(g + kUnpackAhead);
     }
@@ -235,7 +241,7 @@ int64_t tile_rows(int64_t m) { return std::min(m, kTileRows); }
 template <int bits, typename Epilogue>
 void amx_pass(const PassInputs& in, const Epilogue& e) {
   TORCH_CHECK(tiles_granted, "the AMX path needs amx_enable() to have succeeded");
-  const int64_t rows = tile_rows(in.m), unpacked_bytes = bits == 4 ? in.k / kGroup * kOperandBytes : 0;
+  const int64_t rows = tile_rows(in.m), unpacked_bytes = bits != 8 ? in.k / kGroup * kOperandBytes : 0;
   at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
     // Per thread and call: torch's own AMX kernels (oneDNN's bf16 matmuls) load their own shapes in between.
     tile_config(tile_shapes(rows));

@@ -11,12 +11,14 @@
 // activation codes into exact int32 sums; a weight block is unpacked once and used for every token
 // of the pass.
 //
-// Packed weights, [N/16, K/32, 8 * bits / 8, 64] uint8. For a block of 16 output rows and a group
-// of 32 inputs, operand i (i = 0..7) is 64 bytes whose byte 4r + j is row r's code for input 4i + j
-// of the group (one AVX-512 register for `vpdpbusd`, or two AVX2 registers of 8 rows each). int8
-// stores the 8 operands as they are; int4 stores operands 2c and 2c + 1 in one 64-byte chunk c, 2c in
-// the low nibbles and 2c + 1 in the high ones. Per group and row, w = q * scale + min (q in 0..15
-// or 0..255); scale_min is [N/16, K/32, 2, 16] fp16 (16 scales, then 16 mins).
+// Packed weights, [N/16, K/32, bits, 64] uint8 (bits 4, 6 or 8). For a block of 16 output rows and a
+// group of 32 inputs, operand i (i = 0..7) is 64 bytes whose byte 4r + j is row r's code for input
+// 4i + j of the group (one AVX-512 register for `vpdpbusd`, or two AVX2 registers of 8 rows each).
+// int8 stores the 8 operands as they are; int4 stores operands 2c and 2c + 1 in one 64-byte chunk c,
+// 2c in the low nibbles and 2c + 1 in the high ones. int6 stores its codes' low 4 bits as int4 does
+// (chunks 0-3) and their top 2 bits in chunks 4 and 5: chunk 4 + c holds operands 4c..4c + 3, 2 bits
+// each from the bottom. Per group and row, w = q * scale + min (q in 0..2^bits - 1); scale_min is
+// [N/16, K/32, 2, 16] fp16 (16 scales, then 16 mins).
 //
 // Why every path's outputs are bit-identical, whatever the ISA and the number of rows in the pass:
 // the integer sums are exact, and per output the float work is the same instructions in the same
@@ -162,9 +164,19 @@ torch::Tensor dequantize_t(const torch::Tensor& packed, const torch::Tensor& sca
 }
 
 int bits_of(const torch::Tensor& packed) {
-  TORCH_CHECK(packed.dim() == 4 && (packed.size(2) == 4 || packed.size(2) == 8) && packed.size(3) == 64,
-              "packed must be [N/16, K/32, 4 (int4) or 8 (int8), 64]");
-  return packed.size(2) == 4 ? 4 : 8;
+  TORCH_CHECK(packed.dim() == 4 && (packed.size(2) == 4 || packed.size(2) == 6 || packed.size(2) == 8) && packed.size(3) == 64,
+              "packed must be [N/16, K/32, 4 (int4), 6 (int6) or 8 (int8), 64]");
+  return packed.size(2);
+}
+
+// f(std::integral_constant<int, bits>{}) for packed's code width.
+template <typename F>
+void with_bits(const torch::Tensor& packed, F&& f) {
+  switch (bits_of(packed)) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
 }
 
 // x [M, K] rounded to int8 per group: codes [rows >= M, K] (rows past M zero, for AMX's A tiles),
@@ -212,7 +224,7 @@ void run_pass(const Quantized& q, const torch::Tensor& packed, const torch::Tens
   TORCH_CHECK(k == packed.size(1) * kGroup, "x has ", k, " inputs; the weights take ", packed.size(1) * kGroup);
   const PassInputs in{q.codes.data_ptr<int8_t>(), q.code_sums.data_ptr<int32_t>(), q.scales.size(0), k, packed.size(0) * kRows,
                       packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>())};
-  bits_of(packed) == 4 ? pass<4>(in, tiles, epilogue) : pass<8>(in, tiles, epilogue);
+  with_bits(packed, [&](auto bits) { pass<decltype(bits)::value>(in, tiles, epilogue); });
 }
 
 template <typename T>
@@ -221,7 +233,9 @@ Linear<T> linear_into(const Quantized& q, torch::Tensor& out) {
 }
 
 torch::Tensor dequantize_weights_t(const torch::Tensor& packed, const torch::Tensor& scale_min) {
-  return bits_of(packed) == 4 ? dequantize_t<4>(packed, scale_min) : dequantize_t<8>(packed, scale_min);
+  torch::Tensor out;
+  with_bits(packed, [&](auto bits) { out = dequantize_t<decltype(bits)::value>(packed, scale_min); });
+  return out;
 }
 
 // y [M, N] = x [M, K] @ dequant(packed).T, in x's dtype (float32 or bf16).

@@ -291,8 +291,13 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
     n, k = q.shape
     # Operand i of a group holds inputs 4i..4i+3 of 16 rows, row-major (quant_kernel.h).
     operands = q.to(torch.uint8).view(n // ROWS, ROWS, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
-    if bits == 4:  # operands 2c and 2c + 1 share chunk c: low and high nibbles
-        operands = operands[:, :, 0::2] | operands[:, :, 1::2] << 4
+    if bits in (4, 6):  # operands 2c and 2c + 1 share chunk c: low and high nibbles
+        nibbles = operands & 0x0F
+        chunks = [nibbles[:, :, 0::2] | nibbles[:, :, 1::2] << 4]
+        if bits == 6:  # then operands 4c..4c + 3's top two bits share chunk 4 + c, 2 bits each from the bottom
+            tops = operands >> 4
+            chunks.append(tops[:, :, 0::4] | tops[:, :, 1::4] << 2 | tops[:, :, 2::4] << 4 | tops[:, :, 3::4] << 6)
+        operands = torch.cat(chunks, dim=2)
     packed = operands.reshape(n // ROWS, k // GROUP_SIZE, bits, 64).contiguous()
     per_group = torch.stack([scales.half(), mins.half()]).view(2, n // ROWS, ROWS, k // GROUP_SIZE)
     return packed, per_group.permute(1, 3, 0, 2).contiguous()
