@@ -619,9 +619,15 @@ def test_unpackable_layers_fall_back_to_int8_and_say_so(caplog):
         layers = quantize_model(model, "int4", group_size=128)
     assert layers["model.layers.0.mlp.down_proj"] == "int4"
     assert layers["model.layers.0.self_attn.q_proj"] == "int8"
-    # The output layer's default, int6, is our kernel's only, which takes groups of 32 alone: int8 then.
+    # The output layer's default is int6 on our kernel, which takes groups of 32 alone: on torch's, int8.
     assert quant.HEAD_WEIGHTS == "int6" and layers["lm_head"] == "int8"
-    assert "q_proj cannot be int4" in caplog.text and "lm_head cannot be int6" in caplog.text
+    assert "q_proj cannot be int4" in caplog.text and "lm_head" not in caplog.text
+
+
+def test_an_int6_output_layer_asked_where_our_kernel_does_not_run_falls_back_to_int8_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        layers = quantize_model(tiny_runner().model, "int4", group_size=128, head_weights="int6")
+    assert layers["lm_head"] == "int8" and "lm_head cannot be int6 (int6 runs on our kernel only" in caplog.text
 
 
 @pytest.mark.parametrize("weights", quant.QUANTIZED)

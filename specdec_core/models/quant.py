@@ -51,9 +51,10 @@ DEFAULT_GROUP_SIZE = 32
 # On the Qwen Q4_K layers the best is 15 or 14 levels; 13 and 12 win now and then on Q6_K layers.
 INT4_LEVELS = (15, 14, 13, 12)
 ROWS_PER_CHUNK = 2048
-# The output layer's default precision. It comes from a 6- or 8-bit GGUF tensor: int4 there costs
-# 0.013-0.067 of argmax agreement with bf16 (int8: under 0.007) for 9-21% more tokens/s; int6 (7 bits a weight
-# with its scales, against int8's 9) costs what int8 does and reads a fifth less; docs/QUANT.md, "The output layer".
+# The output layer's default precision on our kernel (elsewhere int8, the narrowest torch's kernels take well). It
+# comes from a 6- or 8-bit GGUF tensor: int4 there costs 0.013-0.067 of argmax agreement with bf16 (int8: under
+# 0.007) for 9-21% more tokens/s; int6 (7 bits a weight with its scales, against int8's 9) costs what int8 does and
+# reads a fifth less; docs/QUANT.md, "The output layer".
 HEAD_WEIGHTS = "int6"
 CACHE_FORMAT = 4  # bump when the cache's layout or quantization math changes
 SCHEME = {  # written into each cache manifest, for whoever reads one
@@ -411,12 +412,13 @@ def quantize_model(
     weights: str,
     group_size: int = DEFAULT_GROUP_SIZE,
     cache_path: str | Path | None = None,
-    head_weights: str = HEAD_WEIGHTS,
+    head_weights: str | None = None,
 ) -> dict[str, str]:
     """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear; return each
     replaced layer's precision by name.
 
-    `head_weights` is the output layer's precision (one of PRECISIONS; another name leaves it float).
+    `head_weights` is the output layer's precision (one of PRECISIONS; another name leaves it float); None:
+    HEAD_WEIGHTS on our kernel, int8 on torch's.
     With `cache_path`, packed weights made from the same float weights with the same settings are
     loaded from there instead of quantizing again; otherwise they are quantized and saved there.
     """
@@ -425,9 +427,10 @@ def quantize_model(
     linears = _linears(model)
     head = next((name for name, module in linears.items() if module is model.get_output_embeddings()), None)
     wanted = {name: weights for name in linears}
-    if head:
-        wanted[head] = head_weights
     some = next(iter(linears.values()))
+    if head:
+        on_ours = kernel(some.weight.device, group_size) == "vnni"
+        wanted[head] = head_weights or (HEAD_WEIGHTS if on_ours else "int8")
     key = {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
