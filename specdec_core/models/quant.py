@@ -51,7 +51,7 @@ DEFAULT_GROUP_SIZE = 32
 # On the Qwen Q4_K layers the best is 15 or 14 levels; 13 and 12 win now and then on Q6_K layers.
 INT4_LEVELS = (15, 14, 13, 12)
 ROWS_PER_CHUNK = 2048
-# The output layer's default precision on our kernel (elsewhere int8, the narrowest torch's kernels take well). It
+# The output layer's default precision on our kernel (elsewhere int8: torch's kernels have no int6). It
 # comes from a 6- or 8-bit GGUF tensor: int4 there costs 0.013-0.067 of argmax agreement with bf16 (int8: under
 # 0.007) for 9-21% more tokens/s; int6 (7 bits a weight with its scales, against int8's 9) costs what int8 does and
 # reads a fifth less; docs/QUANT.md, "The output layer".
@@ -359,8 +359,8 @@ def _quantize_layer(linear: nn.Linear, precision: str, group_size: int) -> Quant
 
 
 def _quantize_with_fallback(name: str, linear: nn.Linear, precision: str, group_size: int) -> QuantLinear | None:
-    """The layer at `precision`, else at the next wider one; None keeps the float layer. Fallbacks are logged."""
-    # Wider ones that run on every kernel: where int4 fails on ours, int6 would fail for the same reason.
+    """The layer at `precision`, else at the next wider one that every kernel runs (where int4 fails on ours, int6
+    would fail for the same reason); None keeps the float layer. Fallbacks are logged."""
     wider = [p for p in QUANTIZED if PRECISIONS.index(p) > PRECISIONS.index(precision)]
     for candidate in [precision, *wider]:
         try:
