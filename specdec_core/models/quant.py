@@ -428,16 +428,16 @@ def quantize_model(
     head = next((name for name, module in linears.items() if module is model.get_output_embeddings()), None)
     wanted = {name: weights for name in linears}
     some = next(iter(linears.values()))
+    kernel_name = kernel(some.weight.device, group_size)
     if head:
-        on_ours = kernel(some.weight.device, group_size) == "vnni"
-        wanted[head] = head_weights or (HEAD_WEIGHTS if on_ours else "int8")
+        wanted[head] = head_weights or (HEAD_WEIGHTS if kernel_name == "vnni" else "int8")
     key = {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
         "device": some.weight.device.type,
         "dtype": str(some.weight.dtype),
         "group_size": group_size,
-        "kernel": kernel(some.weight.device, group_size),
+        "kernel": kernel_name,
         "wanted": wanted,
         "source": _fingerprint(linears),
     }
