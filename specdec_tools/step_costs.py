@@ -33,7 +33,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from specdec_core.build import build_engine
 from specdec_core.config import Config
+from specdec_core.drafters.registry import NO_DRAFTER
 from specdec_core.models import vnni
 from specdec_core.models.eagle_net import EagleNet
 from specdec_core.models.loading import load_runner
@@ -42,6 +44,8 @@ from specdec_core.models.quant import DEFAULT_GROUP_SIZE, QUANTIZED, quantize_mo
 from specdec_core.models.runner import DTYPES, BatchCache, ModelRunner, resolve_device
 from specdec_core.models.static_runner import STEPS, on_step
 from specdec_core.models.tiny import is_tiny, tiny_model
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence
 
 from . import measurement
 from .bench.llama_cpp import find_tools, llama_bench, registry_gguf
@@ -120,18 +124,25 @@ def pass_costs(runners: dict[str, ModelRunner], lengths: list[int], context: int
     return {step: {k: 1e3 * statistics.median(times[(step, k)]) for k in lengths} for step in runners}
 
 
-def prefill_rates(runners: dict[str, ModelRunner], lengths: list[int], reps: int) -> dict:
-    """Median tokens/s of a prefill of each length into an empty cache on each step kind, as a request's prompt
-    is prefilled (ModelRunner.prefill)."""
+def prefill_rates(runners: dict[str, ModelRunner], lengths: list[int], reps: int, config: Config) -> dict:
+    """Median tokens/s of a prompt of each length prefilled into an empty batch as the server prefills it, on each
+    step kind: an engine of `config` (its chunks, exact where its prefills are; the prefix cache off)."""
     runner = next(iter(runners.values()))
     timed = timer(runner.device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, runner.vocab_size, (max(lengths),), generator=generator).tolist()
+    engines = {}
+    for step, r in runners.items():
+        served = config.model_copy(deep=True)
+        served.model.step, served.prefill.cache = step, False
+        engines[step] = build_engine(served, drafter=NO_DRAFTER, target=r)
     times: dict[tuple[str, int], list[float]] = {(step, n): [] for step in runners for n in lengths}
     for rep in tqdm(range(PREFILL_WARMUP + reps), desc="prefills"):
         for n in lengths:
-            for step, r in runners.items():
-                seconds = timed(r.prefill, prompt[:n])
+            for step, engine in engines.items():
+                seq = Sequence("prefill", prompt[:n], SamplingParams(), 1)
+                seconds = timed(engine.add, seq)
+                engine.remove([seq])
                 if rep >= PREFILL_WARMUP:
                     times[(step, n)].append(seconds)
     return {step: {n: n / statistics.median(times[(step, n)]) for n in lengths} for step in runners}
@@ -277,6 +288,7 @@ def measure(args) -> dict:
         draft = random_runner(args.draft_shapes, args.weights, args.dtype, device) if args.draft_shapes else None
         what = {"shapes": args.shapes, "draft_shapes": args.draft_shapes, "weights": args.weights, "dtype": args.dtype,
                 "random_weights": True}
+        config = Config()  # prefills as the default configuration's
     else:
         config = Config.load(args.config)
         llama_cpp = llama_cpp_inputs(args.llama_cpp, config.model.target) if args.llama_cpp else None  # before loading
@@ -291,7 +303,7 @@ def measure(args) -> dict:
     warm_up_s = {"target": target_ready - start, "draft": time.perf_counter() - target_ready if draft else None}
     passes = pass_costs(runners, lengths, args.context, args.reps)
     drafts = draft_costs(target, draft_runners, args.context, args.reps)
-    prefills = prefill_rates(runners, prefill_lengths, args.reps) if prefill_lengths else {}
+    prefills = prefill_rates(runners, prefill_lengths, args.reps, config) if prefill_lengths else {}
     chunks = chunk_costs(runners[steps[0]], chunk_rows, [int(p) for p in args.chunk_contexts.split(",")], args.reps) if chunk_rows else None
     result = {
         **what, "kernel_family": vnni.family(), "device": str(target.device), "device_name": _device_name(target.device),

@@ -109,8 +109,8 @@ def draft_runner(model: ModelConfig, target: ModelRunner, name: str, vocab: Redu
 
 
 def eos_ids(runner: ModelRunner) -> set[int]:
-    """End-of-sequence ids from the tokenizer and the generation config."""
-    ids = {runner.tokenizer.eos_token_id}
+    """End-of-sequence ids from the tokenizer and the generation config (a model of random weights has no tokenizer)."""
+    ids = {runner.tokenizer.eos_token_id} if runner.tokenizer is not None else set()
     generation = getattr(runner.model, "generation_config", None)
     extra = getattr(generation, "eos_token_id", None) if generation else None
     ids.update(extra if isinstance(extra, list) else [extra])
