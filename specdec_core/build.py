@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .config import Config
 from .control import Controller
 from .drafters.base import Drafter
@@ -9,7 +11,8 @@ from .drafters.registry import NO_DRAFTER, factory
 from .engine import Engine
 from .models.loading import eos_ids, load_runner
 from .models.runner import ModelRunner
-from .models.quant import keep_dequantized, long_passes_on_kernel
+from .models import attention
+from .models.quant import keep_dequantized, on_kernel
 from .models.static_runner import on_step
 from .prefix_cache import PrefixCache
 
@@ -35,13 +38,17 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     controller = Controller(gamma_max=spec.gamma_max, fixed_gamma=spec.gamma, max_speculative_batch=spec.max_speculative_batch)
     chosen = build_drafter(config, target, drafter)
     prefill = config.prefill
+    # Prefills computed as decoding computes (row-invariant) wherever the target's linear layers are all on our
+    # kernel: a position's keys and values are then the same whichever pass wrote them, so the prefix cache keeps
+    # answers too, and a conversation's next turn does not prefill the last answer again. Without AMX that costs
+    # little (the kernel is the faster product there; the row-invariant attention took 1.11x SDPA's time); with
+    # AMX, where oneDNN's bf16 product and SDPA are faster, cold prompts of 512-2,048 tokens took 1.6-1.8x as long
+    # (docs/benchmarks/NOTES.md, issue 31; prefill.exact: false takes the faster product there).
+    exact = prefill.exact and target.row_invariant and on_kernel(target.model)
+    tiles = exact and target.dtype == torch.bfloat16 and attention.tiles_granted()
     for model in [target.model, *(chosen.own_models() if chosen else ())]:
-        keep_dequantized(model, prefill.keep_bf16_weights)
-    # Prefills computed as decoding computes (row-invariant) where that costs little: the linear layers are on our
-    # kernel at every length anyway, and the row-invariant attention took 1.11x SDPA's time over a 2,048-token
-    # prompt in chunks of 128 (docs/benchmarks/NOTES.md, issue 31). With AMX the kernel would cost 2.3x the prefill.
-    exact = target.row_invariant and long_passes_on_kernel(target.model)
-    chunk_tokens = prefill.chunk_tokens_for(exact)
+        keep_dequantized(model, prefill.keep_bf16_weights)  # made by a first long pass that is not exact
+    chunk_tokens = prefill.chunk_tokens_for(exact, tiles)
     cache = None
     if prefill.cache:
         block_tokens = prefill.cache_block_tokens if exact else chunk_tokens
@@ -50,6 +57,6 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     # Exact prefills attend with the row-invariant attention, which costs a chunk more the more context it attends
     # (docs/benchmarks/NOTES.md): there chunks shrink as their context grows, with the attention's multiply-adds
     # weighed against the linear kernel's by measurement.
-    context = round(target.projection_to_attention_macs() / prefill.attention_mac_cost) if exact else None
+    context = round(target.projection_to_attention_macs() / prefill.attention_mac_cost_for(tiles)) if exact else None
     return Engine(target, chosen, controller, eos_ids(target), spec.unseeded_rule, chunk_tokens, cache,
                   grammar_draft_tokens=config.grammar.draft_tokens, exact_prefill=exact, chunk_context_tokens=context)

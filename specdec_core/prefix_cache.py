@@ -8,16 +8,16 @@ is the namespace, so equal keys mean equal prefixes within one namespace (an API
 needs no tree surgery.
 
 A block must hold exactly the numbers a cold prefill computes for its positions, so that a request's text is
-the same with the cache on or off, bit for bit. How it does depends on the CPU (Engine's `exact_prefill`):
-- Where long passes take the bf16 product (CPUs with AMX tiles: vnni.dequantizes_long_passes), a prefill's
-  numbers depend on its pass, so blocks are whole prefill chunks (`prefill.chunk_tokens`, a prompt always
-  prefilled in chunks at the same boundaries), computed by prefill only: keys and values a decode or verify pass
-  wrote (the int8 kernel and the row-invariant attention, one row at a time) never enter the cache, nor does a
-  chunk's partial tail.
-- Elsewhere every prefill pass computes each row as decoding does (the kernel and the row-invariant attention),
-  so a position's keys and values are the same whichever pass wrote them: blocks are smaller
-  (`prefill.cache_block_tokens`), and a finished sequence's answer enters the cache too (`Engine.keep_decoded`),
-  so that a conversation's next turn does not prefill the last answer again.
+the same with the cache on or off, bit for bit. How it does depends on the prefill (Engine's `exact_prefill`):
+- Where every prefill pass computes each row as decoding does (`prefill.exact`, the default, wherever the target's
+  linear layers are on our kernel: the kernel and the row-invariant attention), a position's keys and values are
+  the same whichever pass wrote them: blocks are small (`prefill.cache_block_tokens`), and a finished sequence's
+  answer enters the cache too (`Engine.keep_decoded`), so that a conversation's next turn does not prefill the
+  last answer again.
+- Elsewhere (`prefill.exact: false`, or a target off our kernel) a prefill's numbers depend on its pass (the bf16
+  product and SDPA), so blocks are whole prefill chunks (`prefill.chunk_tokens`, a prompt always prefilled in
+  chunks at the same boundaries), computed by prefill only: keys and values a decode or verify pass wrote never
+  enter the cache, nor does a chunk's partial tail.
 
 A drafter with a cache of its own (a draft model) keeps its keys and values of a block with the block
 (`OwnPrefix`, `attach_own`), so that a conversation's next turn does not prefill its history on the draft

@@ -226,16 +226,20 @@ def test_without_amx_tiles_every_pass_stays_on_the_kernel(kept: bool, monkeypatc
 
 
 @needs_vnni
-def test_a_warmed_up_engine_holds_its_prefill_weights_before_any_request(long_passes_dequantize):
-    """Engine.warm_up (the server's, before it says ready): the first long pass's dequantization is paid there."""
+@pytest.mark.parametrize("exact", [True, False])
+def test_where_prefills_need_not_be_exact_the_warm_up_holds_their_weights_and_exact_ones_keep_none(exact, long_passes_dequantize):
+    """prefill.exact (the default) on a CPU whose long passes take the bf16 product: the engine's prefills stay on
+    the kernel, so no bf16 copy is ever made; with it off, Engine.warm_up (the server's, before it says ready)
+    pays the first long pass's dequantization, not the first request."""
     config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
-                                    "speculation": {"drafter": "ngram"}})
+                                    "speculation": {"drafter": "ngram"}, "prefill": {"exact": exact}})
     engine = build_engine(config)
+    assert engine.exact_prefill == exact and (engine.chunk_context_tokens is not None) == exact
     layers = [layer for layer in engine.target.model.modules() if isinstance(layer, VnniLinear)]
     assert layers and all(layer._dequantized is None for layer in layers)
     engine.warm_up()
     # All but the output layer: a prefill runs it on its last token only.
-    assert sum(layer._dequantized is not None for layer in layers) == len(layers) - 1
+    assert sum(layer._dequantized is not None for layer in layers) == (0 if exact else len(layers) - 1)
     assert not engine.seqs and engine.chunks == 0  # nothing of the warm-up's stays
 
 

@@ -330,11 +330,11 @@ def keep_dequantized(model: nn.Module, keep: bool) -> None:
                 layer._dequantized = None
 
 
-def long_passes_on_kernel(model: nn.Module) -> bool:
-    """Whether every pass of `model`, a long prefill's too, multiplies on our kernel: its linear layers are all
-    VnniLinear, on a CPU whose long passes stay on the kernel (vnni.dequantizes_long_passes)."""
+def on_kernel(model: nn.Module) -> bool:
+    """Whether `model`'s linear layers are all on our kernel (VnniLinear), so that its row-invariant passes, a long
+    prefill's too, multiply as decoding does (vnni.row_invariant)."""
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-    return bool(layers) and all(isinstance(m, VnniLinear) for m in layers) and not vnni.dequantizes_long_passes()
+    return bool(layers) and all(isinstance(m, VnniLinear) for m in layers)
 
 
 def kernel(device: torch.device, group_size: int) -> str:

@@ -260,8 +260,8 @@ def _tiles_chosen() -> bool:
     else:
         chosen, reason = False, f"{ISA_ENV}=amx, but {amx_missing()}" if isa() == "amx" else f"{ISA_ENV}={isa() or 'unset'}"
     if chosen:
-        log.info("quantize: passes of %d to %d rows on AMX-INT8 tiles (%s), shorter ones on AVX-512 VNNI",
-                 AMX_MIN_ROWS, DEQUANTIZE_ROWS - 1, reason)
+        log.info("quantize: passes of %d rows or more on AMX-INT8 tiles (%s), shorter ones on AVX-512 VNNI; from %d "
+                 "rows, passes that need not be exact take the bf16 product", AMX_MIN_ROWS, reason, DEQUANTIZE_ROWS)
     elif family() is not None:
         log.info("quantize: %s on %s (%s)", f"passes below {DEQUANTIZE_ROWS} rows" if dequantizes_long_passes() else "every pass",
                  FAMILIES[family()].title, reason)
