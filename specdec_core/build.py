@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .config import Config
 from .control import Controller
 from .drafters.base import Drafter
@@ -45,7 +43,7 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     # AMX, where oneDNN's bf16 product and SDPA are faster, cold prompts of 512-2,048 tokens took 1.6-1.8x as long
     # (docs/benchmarks/NOTES.md, issue 31; prefill.exact: false takes the faster product there).
     exact = prefill.exact and target.row_invariant and on_kernel(target.model)
-    tiles = exact and target.dtype == torch.bfloat16 and attention.tiles_granted()
+    tiles = exact and attention.attends_on_tiles(target.dtype, target.head_dim)
     for model in [target.model, *(chosen.own_models() if chosen else ())]:
         keep_dequantized(model, prefill.keep_bf16_weights)  # made by a first long pass that is not exact
     chunk_tokens = prefill.chunk_tokens_for(exact, tiles)

@@ -33,8 +33,7 @@ def flips(config: Config, prompts: list, max_tokens: int, k: int) -> dict:
         for _ in engine.generate([seq]):
             pass
         tokens, out = ids + seq.output_ids, seq.output_ids
-        cache = target.new_cache()  # the prompt but its last token, computed as the engine's prefill computed it
-        target.forward(cache, torch.tensor([ids[:-1]]), commit=True, last_logits_only=True, row_invariant=engine.exact_prefill)
+        cache = target.prefill(ids[:-1], row_invariant=engine.exact_prefill)[0]  # as the engine's prefill computed it
         mine = 0
         for start in range(0, len(out), k):
             # The pass: the token before position `start`, then plain's next k - 1 tokens as drafts.

@@ -142,8 +142,13 @@ def tiles(query: torch.Tensor) -> bool:
     256, where `tiles_granted`. On a Xeon with AMX (Qwen2.5-1.5B's heads, 2 threads) a 128-row chunk over 2,048
     positions took 12.1 ms a layer on the AVX-512 path, 5.1 on the tiles, 2.0 on SDPA; 32 rows over 256 positions
     0.6, 0.13 and 0.15 ms (docs/benchmarks/NOTES.md, issue 30)."""
-    dim = query.shape[-1]
-    return query.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256 and not _tiles_off and tiles_granted()
+    return attends_on_tiles(query.dtype, query.shape[-1])
+
+
+def attends_on_tiles(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether passes of `dtype` over heads of `head_dim` attend on AMX tiles (`tiles`): for what sizes a model's
+    passes before any runs (its prefill chunks, build_engine)."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and not _tiles_off and tiles_granted()
 
 
 @contextlib.contextmanager

@@ -344,15 +344,17 @@ class ModelRunner:
         return decoder.norm(hidden)
 
     def prefill(
-        self, token_ids: list[int], all_logits: bool = False, features: bool = False
+        self, token_ids: list[int], all_logits: bool = False, features: bool = False, row_invariant: bool = False
     ) -> tuple[BatchCache, torch.Tensor, torch.Tensor | None]:
         """A one-row cache holding `token_ids`; their logits ([len, V] with all_logits, else the last [1, V]);
-        with `features`, the final-normed last hidden states [len, H] (what the output layer reads), else None."""
+        with `features`, the final-normed last hidden states [len, H] (what the output layer reads), else None;
+        `row_invariant`: computed as decoding computes them (an engine's exact prefill)."""
         cache = self.new_cache()
         if not token_ids:
             cache.reserve(1, 0)
             hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device) if features else None
             return cache, torch.zeros(0, self.vocab_size, device=self.device), hidden
         ids = torch.tensor([token_ids], device=self.device)
-        logits, hidden = self.forward(cache, ids, commit=True, last_logits_only=not all_logits, hidden_states=features)
+        logits, hidden = self.forward(cache, ids, commit=True, last_logits_only=not all_logits, hidden_states=features,
+                                      row_invariant=row_invariant)
         return cache, logits[0], hidden[-1][0] if features else None
