@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_core.config import GrammarConfig
-from specdec_core.engine import Admission, Engine
+from specdec_core.engine import Admission, Engine, RowResult
 from specdec_core.grammar import Grammars
 from specdec_core.models.catalogue import REGISTRY
 from specdec_core.sequence import Sequence, SpecStats
@@ -302,7 +302,8 @@ class Scheduler:
         self._prefilling.append((job, choice, admission))
 
     def _prefill_chunk(self) -> None:
-        """Prefill the oldest admitted prompt's next chunk; once its last is in, its sequence joins the batch."""
+        """Prefill the oldest admitted prompt's next chunk; once its last is in, its sequence draws its first token,
+        released at once, and joins the batch."""
         job, choice, admission = self._prefilling[0]
         seq = choice.seq
         try:
@@ -319,9 +320,8 @@ class Scheduler:
         choice.output = TextOutput(self.engine.target.tokenizer, seq.prompt_ids, choice.stop)
         prompt_logprobs = self._prompt_logprobs(seq, prompt_logits) if choice.echo_logprobs else None
         job.post(self._update(choice, [], admitted=True, prompt_logprobs=prompt_logprobs))
-        if seq.max_tokens == 0:  # echo-only scoring: the prompt was all that was asked
-            self.engine.remove([seq])
-            self._deliver(job, choice, [], "length")
+        self.metrics.generated_tokens.inc(len(admission.first.new_tokens))
+        self._release([admission.first])
 
     def _step(self) -> None:
         report = self.engine.step()
@@ -329,8 +329,12 @@ class Scheduler:
         for seq, exc in report.failed:  # the engine has removed these rows; their requests end here
             if id(seq) in self._active:  # else its job failed already, with another of its rows
                 self._fail(self._active[id(seq)][0], internal_error(f"decoding {seq.request_id} failed", exc))
+        self._release(report.rows)
+
+    def _release(self, rows: list[RowResult]) -> None:
+        """Deliver rows' new tokens as text, and their finishes; rows a stop string ended leave the batch."""
         stopped = []
-        for row in report.rows:
+        for row in rows:
             if id(row.seq) not in self._active:
                 continue  # its job failed above, with another of its rows
             job, choice = self._active[id(row.seq)]
@@ -344,10 +348,11 @@ class Scheduler:
                     break
             if choice.output.stopped:
                 reason = "stop"
-                stopped.append(row.seq)
+                if not row.seq.finished:  # a finished row has left the batch already
+                    stopped.append(row.seq)
             elif row.seq.finished:
                 pieces += choice.output.finish()
-                reason = row.seq.finish_reason
+                reason = "stop" if choice.output.stopped else row.seq.finish_reason  # held text may end in a stop
             else:
                 reason = None
             self._deliver(job, choice, pieces, reason)

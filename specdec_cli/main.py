@@ -47,9 +47,9 @@ def generate_command(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     seq = Sequence("cli", list(prompt_ids), SamplingParams(temperature=args.temperature, seed=args.seed), args.max_tokens)
-    engine.add(seq)
     start = time.perf_counter()
-    marked = []
+    engine.add(seq)
+    marked = [tokenizer.decode(seq.output_ids)]  # the first token, drawn from the prefill's last logits
     for report in engine.generate():
         for row in report.rows:
             # Kept draft tokens are shown in [brackets]; the target's own token after them is plain.

@@ -97,7 +97,7 @@ class Admission:
 
     seq: Sequence
     row: BatchCache  # or a StaticCache: one row, the target runner's kind
-    ids: list[int]  # what is prefilled: every token of the sequence but its last
+    ids: list[int]  # what is prefilled: every token of the sequence (the last one's logits draw its first new token)
     want_logits: bool = False
     looked_up: bool = False  # whether the prefix cache was asked (`Engine.advance`'s first call)
     done: int = 0  # tokens of ids in the row so far
@@ -112,12 +112,13 @@ class Admission:
     drafted: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)  # each chunk's pass's
     hidden: list[torch.Tensor | None] = field(default_factory=list)  # each block's or chunk's features, when read
+    first: RowResult | None = None  # what its join emitted: its first new token (none for echo-only scoring)
 
     def prompt_logits(self) -> torch.Tensor | None:
-        """The prompt's logits [len(ids), V], when they were asked for."""
+        """The prompt's logits [len(ids) - 1, V], each after a prompt token and before the next, when asked for."""
         if not self.want_logits:
             return None
-        return torch.cat(self.logits) if self.logits else torch.zeros(0, 0)  # a one-token prompt's: none
+        return torch.cat(self.logits)[:-1]
 
 
 SAMPLING_RULES = ("gumbel", "rejection")
@@ -166,8 +167,8 @@ class Engine:
         return self.drafter.name if self.drafter else "none"
 
     def add(self, seq: Sequence, prompt_logits: bool = False) -> torch.Tensor | None:
-        """Prefill a new sequence into the batch, all its chunks at once; with prompt_logits, returns the prompt's
-        logits [len-1, V]."""
+        """Prefill a new sequence, all its chunks at once, and draw its first token; it joins the batch unless that
+        token finished it. With prompt_logits, returns the prompt's logits [len-1, V]."""
         admission = self.begin(seq, prompt_logits)
         while not self.advance(admission):
             pass
@@ -186,7 +187,7 @@ class Engine:
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.target.device)
         self.target.forward(row, ids, commit=True, last_logits_only=True, row_invariant=self.exact_prefill)
         if self.drafter:  # a draft model's prefill passes keep their weights too
-            for _ in self.drafter.prefill(Sequence("warm-up", [0] * (tokens + 1), SamplingParams(), 1), None, tokens):
+            for _ in self.drafter.prefill(Sequence("warm-up", [0] * tokens, SamplingParams(), 1), None, tokens):
                 pass
 
     def begin(self, seq: Sequence, prompt_logits: bool = False, joining_before: int = 0) -> Admission:
@@ -195,7 +196,7 @@ class Engine:
         `joining_before`: sequences begun earlier and not yet joined, which join the batch before this one."""
         if not seq.prompt_ids:
             raise ValueError("a prompt needs at least one token")
-        ids = seq.tokens[:-1]
+        ids = seq.tokens
         row = self.target.new_cache()
         # The row's capacity is set once (every chunk's pass sees the same cache layout), as large as the batch's,
         # after room for the rows the batch may hold when it joins: the batch's rows are then copied in beside it,
@@ -212,7 +213,9 @@ class Engine:
         if cache is None or not cache.fits(len(ids), seq.request_id):
             return
         admission.keys = cache.keys(ids, seq.cache_namespace)
-        admission.blocks = [] if admission.want_logits else cache.lookup(admission.keys)
+        # The last token is always prefilled: its logits draw the first new token (`_first_token`).
+        usable = admission.keys[: (len(ids) - 1) // cache.block_tokens]
+        admission.blocks = [] if admission.want_logits else cache.lookup(usable)
         if admission.blocks:  # in one write: a long prefix is hundreds of blocks, each a copy a layer
             blocks = admission.blocks
             admission.row.write_span(torch.cat([b.keys for b in blocks], dim=2), torch.cat([b.values for b in blocks], dim=2))
@@ -329,7 +332,8 @@ class Engine:
             cache.insert_chain(keys, lambda i, row=row: Block(*self.cache.read_span(i * size, (i + 1) * size, row), None))
 
     def _join(self, admission: Admission) -> None:
-        """A prefilled sequence joins the batch, and its drafter's rows."""
+        """A prefilled sequence draws its first new token and joins the batch, and its drafter's rows; one that
+        this token finished (a stop, one token asked for, echo-only scoring) never joins."""
         seq = admission.seq
         seq.stats.method = self.method
         seq.generator = seq.generator or make_generator(seq.params.seed, self.target.device)
@@ -340,10 +344,12 @@ class Engine:
             seq.counts = torch.zeros(self.target.vocab_size, device=self.target.device)
             for token in seq.output_ids:
                 seq.counts[token] += 1
+        admission.first = self._first_token(admission)
+        if seq.finished:
+            return
         features = None
         if self.wants_features:
-            hidden = admission.hidden or [torch.zeros(0, self.target.config.hidden_size, dtype=self.target.dtype, device=self.target.device)]
-            features = torch.cat(hidden)
+            features = torch.cat(admission.hidden)
         self.cache.append(admission.row)
         if self.drafter:
             try:
@@ -355,6 +361,28 @@ class Engine:
             for index, keys_values in admission.own.computed.items() if admission.own else ():
                 self.prefix_cache.attach_own(admission.keys[index], keys_values)
         self.seqs.append(seq)
+
+    def _first_token(self, admission: Admission) -> RowResult:
+        """The sequence's first new token, drawn from its prefill's last logits as a step draws a row's token after
+        no drafts (the same rule, penalties, grammar mask and noise position), so that it reaches the client a
+        target pass sooner than the first step would give it. Raises where that row would fail in a step."""
+        seq = admission.seq
+        if seq.remaining <= 0:  # echo-only scoring: the prompt was all that was asked
+            seq.finish_reason = "length"
+            return RowResult(seq, [], 0, 0)
+        logits = admission.logits[-1][-1:]
+        masks = [None if seq.grammar is None else seq.grammar.walk_chain([])[1]]
+        proposal = grammar_drafts.nothing(1)
+        drafts = proposal.tokens.to(self.target.device)
+        targets, failures = self._row_targets([seq], proposal, drafts, logits[None], masks)
+        if failures:
+            raise failures[0]
+        verdict = Verdict(logits[None], None, 0.0, paths=[[]], tokens=[None])
+        self._accept(verdict, [0], [seq], [targets[0]], drafts, proposal)
+        emitted = self._emit(seq, verdict.tokens[0], logits)
+        if seq.grammar is not None:
+            seq.grammar.advance(emitted)
+        return RowResult(seq, emitted, 0, 0)
 
     def _own_prefix(self, admission: Admission) -> OwnPrefix | None:
         """What the drafter's own cache takes from the prefix cache: its keys and values of the blocks the prompt

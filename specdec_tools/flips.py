@@ -32,15 +32,16 @@ def flips(config: Config, prompts: list, max_tokens: int, k: int) -> dict:
         seq = Sequence(prompt.id, ids, SamplingParams(temperature=0), max_tokens)
         for _ in engine.generate([seq]):
             pass
-        tokens, out = ids + seq.output_ids, seq.output_ids
-        cache = target.prefill(ids[:-1], row_invariant=engine.exact_prefill)[0]  # as the engine's prefill computed it
+        out = seq.output_ids
+        # As the engine's prefill computed it: its last logits drew out[0], which no verify pass recomputes.
+        cache = target.prefill(ids, row_invariant=engine.exact_prefill)[0]
         mine = 0
-        for start in range(0, len(out), k):
-            # The pass: the token before position `start`, then plain's next k - 1 tokens as drafts.
-            window = tokens[len(ids) - 1 + start : len(ids) - 1 + start + k]
+        for start in range(0, len(out) - 1, k):
+            # The pass: token `start`, then plain's next k - 1 tokens as drafts, judged against the tokens after each.
+            window = out[start : start + k]
             logits, _ = target.forward(cache, torch.tensor([window]), commit=True, row_invariant=target.row_invariant)
             chosen = logits[0].argmax(-1).tolist()
-            expected = out[start : start + len(window)]
+            expected = out[start + 1 : start + 1 + len(window)]
             mine += sum(a != b for a, b in zip(chosen, expected))
             positions += len(expected)
         flipped += mine

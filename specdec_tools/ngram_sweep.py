@@ -23,8 +23,9 @@ from .measurement import report
 
 
 def replay(prompt: list[int], output: list[int], min_n: int, max_n: int, gamma: int) -> tuple[int, int]:
-    """(steps, draft tokens) to emit `output` after `prompt` when each step verifies the lookup's chain."""
-    context, steps, drafted, position = list(prompt), 0, 0, 0
+    """(steps, draft tokens) to emit `output` after `prompt` when each step verifies the lookup's chain; the first
+    token comes from the prompt's prefill, as the engine draws it, not from a step."""
+    context, steps, drafted, position = list(prompt) + output[:1], 0, 0, 1
     while position < len(output):
         # As the engine does, never draft past the answer's end: the step emits at most what remains.
         found = lookup(context, min_n, max_n, min(gamma, len(output) - position - 1))

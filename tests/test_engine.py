@@ -176,6 +176,27 @@ def test_stop_token_inside_accepted_drafts_ends_the_row_there(tiny_target, tiny_
     assert [[i for i, _ in top] for top in stop.top_logprob_ids] == logprobs.topk(2).indices.tolist()
 
 
+def test_the_first_token_is_drawn_from_the_prefill_and_a_sequence_it_finishes_never_joins(tiny_target, tiny_prompts, tiny_references):
+    """The prefill's last logits draw a sequence's first token as it joins, before any step: a client has it a target
+    pass sooner. One that this token finishes (one token asked for, a stop token) never joins the batch."""
+    engine = Engine(tiny_target, NgramDrafter(), Controller(fixed_gamma=3), eos_ids(tiny_target))
+    prompt, reference = tiny_prompts[1], tiny_references[1]
+    seq = Sequence("first", prompt, SamplingParams(temperature=0), TINY_LONGEST)
+    admission = engine.begin(seq)
+    while not engine.advance(admission):
+        pass
+    assert admission.first.new_tokens == seq.output_ids == reference[:1] and engine.seqs == [seq]
+    assert int(engine.cache.lengths[0]) == len(prompt)  # the whole prompt: all of the sequence but its new token
+    one = Sequence("one", prompt, SamplingParams(temperature=0), 1)
+    stopped = Sequence("stopped", prompt, SamplingParams(temperature=0), TINY_LONGEST, stop_token_ids=frozenset(reference[:1]))
+    for short in (one, stopped):
+        engine.add(short)
+        assert short.output_ids == reference[:1] and engine.seqs == [seq]
+    assert (one.finish_reason, stopped.finish_reason) == ("length", "stop")
+    decode(engine, [])
+    assert seq.output_ids == reference[:TINY_LONGEST]
+
+
 def test_seeded_sampling_is_reproducible_and_ignores_the_global_rng(tiny_target, tiny_prompts):
     def sampled(global_seed: int, seed_offset: int = 0) -> list[list[int]]:
         torch.manual_seed(global_seed)
@@ -190,16 +211,23 @@ def test_seeded_sampling_is_reproducible_and_ignores_the_global_rng(tiny_target,
 
 @pytest.mark.parametrize("drafter", [None, "ngram"])
 def test_a_row_with_nan_probabilities_fails_alone(tiny_target, tiny_prompts, drafter):
-    """A NaN logit bias makes one sampled row's probabilities NaN: that row fails in its first step and leaves;
-    the rows beside it, greedy and seeded, decode as they would without it."""
+    """A NaN logit bias makes one sampled row's probabilities NaN: set before it joins, that row fails as its first
+    token is drawn (it never joins); set after, in its next step, and it leaves the batch. The rows beside it,
+    greedy and seeded, decode as they would without it."""
 
     def rows(doomed: bool) -> list[Sequence]:
         engine = Engine(tiny_target, NgramDrafter() if drafter else None, Controller(fixed_gamma=3), eos_ids(tiny_target))
         seqs = [Sequence("greedy", tiny_prompts[2] * 2, SamplingParams(temperature=0), 12),
                 Sequence("seeded", tiny_prompts[0] * 2, SamplingParams(temperature=1.0, seed=3), 12)]
         if doomed:
-            seqs.insert(1, Sequence("nan", tiny_prompts[1], SamplingParams(temperature=1.0, logit_bias={5: float("nan")}), 12))
-        reports = decode(engine, seqs)
+            nan = SamplingParams(temperature=1.0, logit_bias={5: float("nan")})
+            engine.add(seqs[0])
+            with pytest.raises(ValueError, match="first: the target's probabilities are not finite"):
+                engine.add(Sequence("first", tiny_prompts[1], nan, 12))
+            seqs.insert(1, Sequence("nan", tiny_prompts[1], SamplingParams(temperature=1.0), 12))
+            engine.add(seqs[1])
+            seqs[1].params = nan
+        reports = decode(engine, seqs[len(engine.seqs):])
         assert [seq.request_id for report in reports for seq, _ in report.failed] == (["nan"] if doomed else [])
         assert not any(row.seq.request_id == "nan" for report in reports for row in report.rows)
         return [seq for seq in seqs if seq.request_id != "nan"]

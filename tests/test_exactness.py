@@ -44,8 +44,9 @@ ALPHA = 1e-3  # a p-value below this fails
 TOKENS = 3
 PROMPTS = {
     "draft-model": [1, 2, 3, 4, 5],
-    # The 8 at the end recurs at the start, so the n-gram drafter proposes 7, 9, 8 (p(7) is about 0.5).
-    "ngram": [8, 7, 9, 8],
+    # After the likeliest first tokens (drawn from the prefill's logits: 0, 2, 3 with p 0.49, 0.11, 0.10) the
+    # n-gram drafter finds a match (0; 4, 0; 8, 2), kept often but not always; chosen also for the tests' power.
+    "ngram": [3, 3, 8, 2, 4, 0],
 }
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),
@@ -105,9 +106,12 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
     quadratic over thousands of rows. Add the first for real, copy its cache
     rows (keep_rows with a repeated index), and give each copy what add
     gives a sequence: the method name, its own seeded generator (and noise,
-    under the Gumbel rule) and, with penalties, its output counts.
+    under the Gumbel rule), with penalties its output counts, and its first
+    token, drawn from the prompt's prefilled logits as add draws it.
     """
-    engine.add(seqs[0])
+    admission = engine.begin(seqs[0])
+    while not engine.advance(admission):
+        pass
     rows = [0] * len(seqs)
     engine.cache.keep_rows(rows)
     if engine.drafter:
@@ -119,27 +123,29 @@ def add_rows(engine: Engine, seqs: list[Sequence]) -> None:
             seq.noise = PositionNoise(seq.params.seed, engine.target.vocab_size, engine.target.device)
         if seq.params.uses_counts:
             seq.counts = torch.zeros_like(seqs[0].counts)
+        engine._first_token(replace(admission, seq=seq))
     engine.seqs = list(seqs)
 
 
 def generate(
-    target, drafter, prompt: list[int], params: SamplingParams, rows: int, rule: str = "gumbel"
+    target, drafter, prompt: list[int], params: SamplingParams, rows: int, rule: str = "gumbel", max_tokens: int = TOKENS + 1
 ) -> tuple[np.ndarray, list[Sequence]]:
     """Decode TOKENS tokens for `rows` copies of `prompt` in one batch under the sampling rule `rule`: seeded
     rows (the Gumbel rule), or unseeded rows with generators seeded here (rejection sampling); returns tokens
-    [rows, TOKENS]."""
+    [rows, TOKENS]. Each row decodes `max_tokens`: by default one more, so that its first step (after the first
+    token, which the prefill's logits draw) drafts the TOKENS - 1 tokens after it."""
     controller = Controller(gamma_max=TOKENS, fixed_gamma=TOKENS, max_speculative_batch=rows)
     engine = Engine(target, drafter, controller, eos_token_ids=set(), unseeded_rule="rejection")
     seeded = rule == "gumbel"
-    seqs = [Sequence(f"r{i}", list(prompt), replace(params, seed=i if seeded else None), TOKENS) for i in range(rows)]
+    seqs = [Sequence(f"r{i}", list(prompt), replace(params, seed=i if seeded else None), max_tokens) for i in range(rows)]
     if not seeded:
         for i, seq in enumerate(seqs):
             seq.generator = make_generator(i, target.device)
     add_rows(engine, seqs)
     while engine.seqs:
         engine.step()
-    assert all(len(seq.output_ids) == TOKENS for seq in seqs)
-    return np.array([seq.output_ids for seq in seqs]), seqs
+    assert all(len(seq.output_ids) == max_tokens for seq in seqs)
+    return np.array([seq.output_ids[:TOKENS] for seq in seqs]), seqs
 
 
 def chisquare_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
@@ -213,18 +219,19 @@ stale_bonus = wrong_rule(lambda n, g: n - 1 if n == g > 0 else None)
 
 
 @pytest.mark.parametrize(
-    "drafter, rule, rows",
+    "drafter, rule, rows, max_tokens",
     [
-        ("draft-model", no_residual, ROWS // 4),
-        ("ngram", no_residual, ROWS // 4),
-        # Subtler: it only touches rows whose drafts were all kept, which the draft model's are often enough.
-        ("draft-model", stale_bonus, ROWS // 2),
+        ("draft-model", no_residual, ROWS // 4, TOKENS + 1),
+        ("ngram", no_residual, ROWS // 4, TOKENS + 1),
+        # Subtler: it only touches rows whose drafts were all kept, which the draft model's are often enough; with
+        # TOKENS, the first step drafts one token, so its bonus is the third token, which the test reads.
+        ("draft-model", stale_bonus, ROWS // 2, TOKENS),
     ],
 )
-def test_negative_control_wrong_rules_fail(target, draft, drafter, rule, rows, monkeypatch):
+def test_negative_control_wrong_rules_fail(target, draft, drafter, rule, rows, max_tokens, monkeypatch):
     monkeypatch.setattr(engine_module, "accept_chains_sampled", rule)
     prompt, params = PROMPTS[drafter], PARAMS["t1"]
-    tokens, _ = generate(target, make_drafter(drafter, draft), prompt, params, rows, "rejection")
+    tokens, _ = generate(target, make_drafter(drafter, draft), prompt, params, rows, "rejection", max_tokens)
     result = pvalues(tokens, exact(target, prompt, params))
     assert min(result.values()) < ALPHA * 1e-3, result  # fails the test above, by a wide margin
 
@@ -248,7 +255,8 @@ def test_negative_control_wrong_noise_fails(target, draft, noise, monkeypatch):
 
 
 def test_ngram_prompt_proposes():
-    assert lookup(PROMPTS["ngram"], 1, 3, TOKENS) == [[7, 9, 8]]
+    prompt = PROMPTS["ngram"]
+    assert [lookup(prompt + [first], 1, 3, TOKENS - 1) for first in (0, 2, 3)] == [[[0]], [[4, 0]], [[8, 2]]]
 
 
 @pytest.mark.parametrize("drafter, setting", CASES)

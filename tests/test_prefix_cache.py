@@ -101,8 +101,8 @@ def test_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
     on = engine_of(runner, make(runner))
     texts, first, second = chat(on, runner, setting)
     assert texts == chat(engine_of(runner, make(runner), budget=None), runner, setting)[0]
-    # A second turn finds every whole chunk its first turn prefilled (all but the first turn's last token).
-    assert [seq.cached_tokens for seq in second] == [(len(seq.prompt_ids) - 1) // CHUNK * CHUNK for seq in first]
+    # A second turn finds every whole chunk its first turn prefilled (its whole prompt).
+    assert [seq.cached_tokens for seq in second] == [len(seq.prompt_ids) // CHUNK * CHUNK for seq in first]
     assert drafter is None or sum(seq.stats.draft_tokens for seq in second) > 0
 
 
@@ -163,7 +163,7 @@ def test_with_exact_prefills_answers_are_cached_and_text_is_the_same_with_the_ca
     texts, first, second = chat(on, runner, setting)
     assert texts == chat(engine_of(runner, make(runner), budget=None, exact=True), runner, setting)[0]
     answered = drafter != "eagle"
-    expected = [(len(seq.tokens if answered else seq.prompt_ids) - 1) // BLOCK * BLOCK for seq in first]
+    expected = [((len(seq.tokens) - 1) if answered else len(seq.prompt_ids)) // BLOCK * BLOCK for seq in first]
     assert [seq.cached_tokens for seq in second] == expected
     assert answered == all(cached > len(seq.prompt_ids) for cached, seq in zip(expected, first))
 
@@ -184,7 +184,7 @@ def test_the_draft_models_own_keys_and_values_are_kept_with_the_blocks(runner, m
     engine = engine_of(runner, drafter)
     texts, first, second = chat(engine, runner, "greedy")
     assert all(block.own is not None for block in engine.prefix_cache.blocks.values())
-    assert sum(passes) == sum(len(seq.prompt_ids) - 1 - seq.cached_tokens for seq in first + second)
+    assert sum(passes) == sum(len(seq.prompt_ids) - seq.cached_tokens for seq in first + second)
     assert max(passes) <= CHUNK  # in passes of a chunk at most (the next test: with steps between)
     assert all(seq.cached_tokens > 0 for seq in second) and sum(seq.stats.accepted_tokens for seq in second) > 0
     assert texts == chat(engine_of(runner, budget=None), runner, "greedy")[0]
@@ -214,7 +214,7 @@ def test_a_draft_models_prefill_runs_a_pass_a_round_with_the_running_rows_steps_
         events.append("step")
         rounds += 1
     prefills = [i for i, event in enumerate(events) if event == "draft prefill"]
-    assert len(prefills) == -(-(len(prompt) - 1) // CHUNK)
+    assert len(prefills) == -(-len(prompt) // CHUNK)
     assert all("step" in events[a:b] for a, b in zip(prefills, prefills[1:]))
     assert rounds >= len(prefills)
 

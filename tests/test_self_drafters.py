@@ -249,11 +249,13 @@ def test_count_tokens_counts_the_tokenizer_s_ids():
 def test_hybrid_chooses_per_row(target):
     drafter = HybridDrafter(NgramDrafter(2, 3), LayerSkipDrafter(target, 1))
     engine = Engine(target, drafter, Controller(), set())
-    seqs = [Sequence("repeats", [8, 7, 9, 8, 7], SamplingParams(temperature=0), 8), Sequence("new", [1, 2, 3], SamplingParams(temperature=0), 8)]
+    # The bias makes the first token, drawn as the row joins, a 9: the row's tokens repeat 8, 7, 9.
+    repeats = SamplingParams(temperature=0, logit_bias={9: 100.0})
+    seqs = [Sequence("repeats", [8, 7, 9, 8, 7], repeats, 8), Sequence("new", [1, 2, 3], SamplingParams(temperature=0), 8)]
     for seq in seqs:
         engine.add(seq)
     proposal = drafter.propose(seqs, 3)
-    assert proposal.tokens[0, : proposal.lengths[0]].tolist() == lookup(seqs[0].tokens, 2, 3, 3)[0] == [9, 8, 7]
+    assert proposal.tokens[0, : proposal.lengths[0]].tolist() == lookup(seqs[0].tokens, 2, 3, 3)[0] == [8, 7, 9]
     assert proposal.lengths[1] == 3 and proposal.probs[1].sum(-1).tolist() == [1.0] * 3  # greedy q: one-hot
     assert drafter._model_rows == [False, True]
 

@@ -268,6 +268,23 @@ def test_stop_string_across_a_token_boundary(served):
     assert sum(1 for c in streamed if c.logprobs) == i
 
 
+@pytest.mark.parametrize("max_tokens", [1, 7])
+def test_a_stop_string_in_the_last_token_allowed_ends_the_request_and_not_the_batch(served, max_tokens):
+    """The token that reaches max_tokens (the first, drawn at the join, or the last of a step) also completes a stop
+    string: the request ends with "stop", and a request decoding beside it is untouched (such a row had failed
+    the whole batch: the engine had already let it go)."""
+    kwargs = dict(model=MODEL, prompt="def scan(s, idx):", temperature=0, logit_bias=NO_EOS, logprobs=0)
+    full = served.client.completions.create(**kwargs, max_tokens=max_tokens).choices[0]
+    start = full.logprobs.text_offset[-1]
+    stop = full.text[start:]
+    assert stop and full.text.find(stop) == start, f"the last token's text {stop!r} is seen before it"
+    beside = dict(model=MODEL, prompt="for key in", max_tokens=24, temperature=0, logit_bias=NO_EOS)
+    alone = served.client.completions.create(**beside).choices[0].text
+    stopped, other = concurrently(served, [{**kwargs, "max_tokens": max_tokens, "stop": [stop]}, beside])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == full.text[:start]
+    assert other.choices[0].text == alone
+
+
 def test_logprobs_are_the_targets(served):
     result = served.client.completions.create(model=MODEL, prompt="for key in", max_tokens=8, temperature=0, logprobs=3)
     logprobs = result.choices[0].logprobs

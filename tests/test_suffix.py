@@ -161,7 +161,9 @@ def test_a_request_drafts_from_an_earlier_requests_output(tiny_target, tiny_prom
 
 # Two earlier occurrences of the final bigram (1, 8), continued by 7, 9 and by 3, 5: a tree whose root has two
 # children, each half the votes, so the tree rule's sibling residuals run.
-EXACTNESS_PROMPT = [1, 8, 7, 9, 1, 8, 3, 5, 1, 8]
+# The likeliest first tokens (drawn from the prefill's logits) recur in it with other tokens after them, so the first
+# step's drafts are trees of siblings, often but not always kept.
+EXACTNESS_PROMPT = [4, 3, 9, 3, 3, 0, 2, 6, 0]
 
 
 @pytest.mark.parametrize("rule", SAMPLING_RULES)
@@ -171,7 +173,8 @@ def test_suffix_trees_sample_as_the_target_does(rule):
     tokens, seqs = generate(target, drafter, EXACTNESS_PROMPT, PARAMS["t1"], ROWS, rule)
     drafted = sum(seq.stats.draft_tokens for seq in seqs)
     accepted = sum(seq.stats.accepted_tokens for seq in seqs)
-    assert drafted >= ROWS and 0.05 * drafted < accepted < 0.95 * drafted, (drafted, accepted)  # kept and rejected
+    # Kept and rejected, thousands of times (the first step's trees, after the first token: drafts for most rows).
+    assert drafted >= ROWS // 2 and 0.05 * drafted < accepted < 0.95 * drafted, (drafted, accepted)
     result = pvalues(tokens, exact(target, EXACTNESS_PROMPT, PARAMS["t1"]))
     assert min(result.values()) > ALPHA, result
 

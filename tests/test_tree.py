@@ -206,9 +206,10 @@ def test_greedy_tree_decoding_equals_plain_greedy(siblings):
     target = tiny_runner(seed=0)
     prompt = [3, 14, 15, 9, 26, 5]
     reference = greedy_reference(target, prompt, 24)
-    # Likely trees for a 64-token random model: the reference's own next tokens on the first branch.
+    # Likely trees for a 64-token random model: the reference's own next tokens on the first branch (the first
+    # step's: after the first token, which the prefill's logits draw).
     drafter = (
-        FixedTreeDrafter(PARENTS, [reference[0], 1, reference[1], 2, reference[2], 3]) if siblings == "deterministic"
+        FixedTreeDrafter(PARENTS, [reference[1], 1, reference[2], 2, reference[3], 3]) if siblings == "deterministic"
         else FixedTreeDrafter(PARENTS, q=torch.full((target.vocab_size,), 1 / target.vocab_size))
     )
     engine = Engine(target, drafter, Controller(gamma_max=3, fixed_gamma=3), eos_token_ids=set())

@@ -135,7 +135,7 @@ class DraftModelDrafter(ModelDrafter):
     def prefill(self, seq: Sequence, own: OwnPrefix | None, chunk_tokens: int) -> Generator[None, None, BatchCache]:
         """The prompt on the draft model in passes of chunk_tokens, but for the whole blocks `own` has from the
         prefix cache; what it prefills of the later whole blocks goes back in `own`."""
-        ids = seq.tokens[:-1]
+        ids = seq.tokens  # the whole prompt, as the target prefills it
         row = self.runner.new_cache()
         row.reserve(1, len(ids))
         for keys, values in own.cached if own else ():

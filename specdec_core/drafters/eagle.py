@@ -49,15 +49,11 @@ class EagleDrafter(Drafter):
     def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
         device = self.cache.device
         row = BatchCache.empty(device)
+        # The prefill holds the whole prompt (its last token's logits drew the row's first): n >= 1 features.
         n = len(features)
-        if n:
-            tokens = torch.tensor([seq.tokens[1 : n + 1]], device=device)
-            keep = torch.ones(1, n, dtype=torch.bool, device=device)
-            root = self.net.feed(row, features[None], tokens, keep)[0, -1]
-        else:  # a one-token prompt has no feature yet: a zero root drafts poorly but exactly
-            row.valid = torch.zeros(1, 0, dtype=torch.bool, device=device)
-            row.lengths = torch.zeros(1, dtype=torch.long, device=device)
-            root = self.roots.new_zeros(self.net.hidden_size)
+        tokens = torch.tensor([seq.tokens[1 : n + 1]], device=device)
+        keep = torch.ones(1, n, dtype=torch.bool, device=device)
+        root = self.net.feed(row, features[None], tokens, keep)[0, -1]
         self.cache.append(row)
         self.roots = torch.cat([self.roots, root[None]])
 

@@ -81,18 +81,14 @@ class MedusaDrafter(Drafter):
         self.top_k = top_k
         hidden = target.config.hidden_size
         self.features = torch.zeros(0, hidden, dtype=target.dtype, device=target.device)  # [B, H] latest committed
-        self.known = torch.zeros(0, dtype=torch.bool, device=target.device)  # [B]: a one-token prompt has none yet
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
-        known = features is not None and len(features) > 0
-        latest = features[-1:] if known else self.features.new_zeros(1, self.features.shape[1])
-        self.features = torch.cat([self.features, latest.to(self.features.dtype)])
-        self.known = torch.cat([self.known, self.known.new_full((1,), known)])
+        # The prefill holds the whole prompt (its last token's logits drew the row's first): a feature is there.
+        self.features = torch.cat([self.features, features[-1:].to(self.features.dtype)])
 
     def remove(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.features.device)
         self.features = self.features.index_select(0, index)
-        self.known = self.known.index_select(0, index)
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], gamma: int) -> Proposal:
@@ -101,10 +97,7 @@ class MedusaDrafter(Drafter):
         top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
         ids = full_ids(top.indices, self.vocab).cpu()
         top_probs = top.values.tolist()
-        rows = [
-            candidate_tree(top_probs[i], self.tree_nodes) if known else ([], [])
-            for i, known in enumerate(self.known.tolist())
-        ]
+        rows = [candidate_tree(top_probs[i], self.tree_nodes) for i in range(len(seqs))]
         width = max((len(nodes) for nodes, _ in rows), default=0)
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, (nodes, _) in enumerate(rows):
@@ -118,7 +111,6 @@ class MedusaDrafter(Drafter):
     ) -> None:
         # The last committed token is the one before each row's new last token: the heads read its feature.
         self.features = torch.stack([row[-1] for row in features]).to(self.features.dtype)
-        self.known.fill_(True)
 
 
 def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> MedusaDrafter:

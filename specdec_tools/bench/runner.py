@@ -277,13 +277,14 @@ class Bench:
         seqs = [Seq(f"{method.label}/{p.id}", self.prompt_ids(p), self.params(p), max_tokens, grammar=self.grammar(p))
                 for p in prompts]
         start = time.perf_counter()
+        first_token_s = None
         for seq in seqs:
-            engine.add(seq)
+            engine.add(seq)  # which draws the sequence's first token
+            if first_token_s is None and seq.output_ids:
+                first_token_s = time.perf_counter() - start
         prefill_s = time.perf_counter() - start
-        run = Run(method.label, len(prompts), block, prompts, [], 0.0, prefill_s)
+        run = Run(method.label, len(prompts), block, prompts, [], 0.0, prefill_s, first_token_s=first_token_s)
         for report in engine.generate():
-            if run.first_token_s is None and any(row.new_tokens for row in report.rows):
-                run.first_token_s = time.perf_counter() - start
             run.add_step(report)
         run.wall_s = time.perf_counter() - start
         run.outputs = [list(seq.output_ids) for seq in seqs]

@@ -155,8 +155,12 @@ def answer_prompts(runner: ModelRunner, texts: list[str], settings: DataSettings
                          settings.answer_tokens)
                 for i, text in enumerate(texts[start : start + GENERATION_BATCH])
             ]
-            for report in engine.generate(batch):
-                bar.update(sum(len(row.new_tokens) for row in report.rows) + sum(seq.remaining for seq in report.finished))
+            counted = 0
+            for _ in engine.generate(batch):
+                done = sum(len(seq.output_ids) + seq.remaining * seq.finished for seq in batch)
+                bar.update(done - counted)
+                counted = done
+            bar.update(len(batch) * settings.answer_tokens - counted)  # answers a first token finished never step
             answered += [seq.tokens for seq in batch]
     return answered
 
