@@ -50,7 +50,7 @@ def sweep(sequences: list[dict], grid: list[tuple[int, int]], gamma: int) -> dic
             steps, drafted = replay(seq["prompt_ids"], seq["output_ids"], min_n, max_n, gamma)
             for group in ("all", seq["category"]):
                 total = totals[group]
-                total[0] += len(seq["output_ids"])
+                total[0] += max(len(seq["output_ids"]) - 1, 0)  # the steps' tokens: the first is the prefill's
                 total[1] += steps
                 total[2] += drafted
         setting = f"min_n={min_n} max_n={max_n}"

@@ -40,10 +40,9 @@ def test_the_sweep_reads_a_runs_sequences_and_pools_by_group(tmp_path, capsys):
     assert ngram_sweep.main([str(results), "--max-n", "2", "--out", str(out)]) == 0
     figures = json.loads(out.read_text())
     tokens = figures["tokens per step, min_n=1 max_n=2"]
-    # Copying its prompt, the edit drafts from its 1 on: the 3 tokens its answer has left, all kept, after a
-    # first step with nothing to look up.
-    assert tokens["code-edit cold"] == 5 / 2
+    # Copying its prompt: after its first token (1, the prefill's), one step drafts 2, 3, 4, all kept, and adds 5.
+    assert tokens["code-edit cold"] == 4 / 1
     assert tokens["spec-bench cold"] == 1.0  # nothing to look up: one token a step
-    assert tokens["all"] == 8 / 5
-    assert figures["draft tokens per step, min_n=1 max_n=2"]["code-edit cold"] == 3 / 2
+    assert tokens["all"] == 6 / 3
+    assert figures["draft tokens per step, min_n=1 max_n=2"]["code-edit cold"] == 3 / 1
     assert figures["command"].startswith("python -m specdec_tools.ngram_sweep") and '"all"' in capsys.readouterr().out
