@@ -49,6 +49,7 @@ from specdec_core.sequence import Sequence
 
 from . import measurement
 from .bench.llama_cpp import find_tools, llama_bench, registry_gguf
+from .bench.results import decoded_tokens
 
 # The registry models' architectures (their config.json), for --shapes: what a pass's cost depends on.
 QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
@@ -226,7 +227,7 @@ def expected_speedups(passes: dict, drafts: dict, results: Path) -> list[dict]:
         method, steps = record["method"], record["steps"]
         if record["batch_size"] != 1 or record["category"] != "all" or not steps or method == "plain":
             continue
-        tokens_per_step = record["new_tokens"] / steps
+        tokens_per_step = decoded_tokens(record) / steps
         positions = record["draft_positions"] / steps
         row = {"method": method, "tokens_per_step": tokens_per_step, "draft_positions_per_step": positions}
         drafter = method.split(":")[0]

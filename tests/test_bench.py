@@ -138,6 +138,8 @@ def test_records_pool_figures_and_controller_check_flags_a_slow_adaptive_method(
     assert ngram["greedy_match_rate"] == pytest.approx(0.5)
     assert ngram["acceptance_by_position"] == [pytest.approx(7 / 8), pytest.approx(2 / 4)]
     assert ngram["prompts"] == 2 and ngram["new_tokens"] == 6
+    # Each output's first token comes from its prompt's prefill: decoding made the other two, in 0.8 s.
+    assert ngram["decoded_tokens"] == 4 and ngram["decode_tokens_per_s"] == pytest.approx(4 / 1.6)
 
     methods = [parse_method(m) for m in ("plain", "ngram", "ngram:g4")]
     (check,) = controller_checks(recs, methods)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .results import ALL, CONTROLLER_TOLERANCE, machine_line
+from .results import ALL, CONTROLLER_TOLERANCE, decoded_tokens, machine_line
 
 
 def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -73,7 +73,7 @@ def _time_rows(recs: list[dict], first: Callable[[dict], str]) -> list[list[str]
             first(r), fmt(r["wall_s"], ".1f"), fmt(r["prefill_s"], ".1f"), fmt(r["draft_s"], ".1f"),
             fmt(r["verify_s"], ".1f"), fmt(other, ".1f"), fmt(r["draft_s"] / r["verify_s"] if r["verify_s"] else None),
             str(r["steps"]), fmt(1000 * r["verify_s"] / r["steps"] if r["steps"] else None, ".0f"),
-            fmt(r["new_tokens"] / r["steps"] if r["steps"] else None), fmt(r.get("first_token_s"), ".2f"),
+            fmt(decoded_tokens(r) / r["steps"] if r["steps"] else None), fmt(r.get("first_token_s"), ".2f"),
             fmt(r.get("cached_tokens"), "d"),
         ])
     return rows

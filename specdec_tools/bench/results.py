@@ -37,7 +37,8 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
         "runs": len(runs),
         "new_tokens": sum(run.new_tokens for run in runs),
         "tokens_per_s": share(sum(run.new_tokens for run in runs), sum(run.wall_s for run in runs)),
-        "decode_tokens_per_s": share(sum(run.new_tokens for run in engine_runs), decode_s) if engine_runs else None,
+        "decoded_tokens": sum(run.decoded_tokens for run in engine_runs) if engine_runs else None,
+        "decode_tokens_per_s": share(sum(run.decoded_tokens for run in engine_runs), decode_s) if engine_runs else None,
         "speedup_vs_plain": summary([run.ratio for run in runs]),
         "decode_speedup_vs_plain": summary([run.decode_ratio for run in runs]),
         "acceptance_rate": share(sum(r.accepted_tokens for r in runs), sum(r.draft_tokens for r in runs)),
@@ -58,6 +59,12 @@ def record(method: str, batch_size: int, category: str, runs: Sequence[Run]) -> 
         "acceptance_by_position": [share(a, d) for a, d in zip(accepted, drafted)],
         "drafted_by_position": drafted,
     }
+
+
+def decoded_tokens(rec: dict) -> int:
+    """The tokens a record's decode passes made. Records from before a prompt's first token came from its
+    prefill (stop 54) have no count of their own: every token of theirs came from a pass."""
+    return rec.get("decoded_tokens", rec["new_tokens"])
 
 
 def _median(values: list[float]) -> float | None:

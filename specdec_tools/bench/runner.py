@@ -158,6 +158,11 @@ class Run:
         return sum(len(o) for o in self.outputs)
 
     @property
+    def decoded_tokens(self) -> int:
+        """Tokens the decode passes made: each output's first comes from its prompt's prefill (ours and llama.cpp's)."""
+        return sum(max(len(o) - 1, 0) for o in self.outputs)
+
+    @property
     def decode_s(self) -> float | None:
         return None if self.prefill_s is None else self.wall_s - self.prefill_s
 
@@ -167,7 +172,7 @@ class Run:
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        return self.new_tokens / self.decode_s if self.decode_s else None
+        return self.decoded_tokens / self.decode_s if self.decode_s else None
 
     def add_step(self, report: StepReport) -> None:
         self.steps += 1
