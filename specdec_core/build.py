@@ -46,7 +46,7 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     tiles = exact and attention.attends_on_tiles(target.dtype, target.head_dim)
     for model in [target.model, *(chosen.own_models() if chosen else ())]:
         keep_dequantized(model, prefill.keep_bf16_weights)  # made by a first long pass that is not exact
-    chunk_tokens = prefill.chunk_tokens_for(exact, tiles)
+    chunk_tokens = prefill.chunk_tokens_for(exact)
     cache = None
     if prefill.cache:
         block_tokens = prefill.cache_block_tokens if exact else chunk_tokens

@@ -124,22 +124,23 @@ class PrefillConfig(Section):
     # prefills are exact (the target on our kernel) a chunk of n rows at context p took, without AMX (an AMD EPYC,
     # prefix-cache/chunk-costs-epyc.json), 4.6 ms * n + 2.7 us * n * (p + n / 2) + 18 ms: 0.24 s for 48 rows at the
     # start, 1.67 s for 128 at 3,000 positions; with AMX tiles (a Xeon, prefix-cache/chunk-costs-xeon-amx.json),
-    # 3.6 ms * n + 0.6 us * n * (p + n / 2) + 6 ms: 0.23 s for 64 rows at the start, 0.67 s for 128 at 3,000. Each
-    # chunk reads every weight once, so smaller chunks prefill slower. Elsewhere (the bf16 product and SDPA) a
+    # 3.6 ms * n + 0.6 us * n * (p + n / 2) + 6 ms: 0.18 s for 48 rows at the start, 0.67 s for 128 at 3,000. Each
+    # chunk reads every weight once, so smaller chunks prefill slower; 48 on both kinds since a Xeon VM whose
+    # running stream stalled 10.6 steps in chunks of 64 (over the goal of 10) and 9.0 in chunks of 48, the prompt's
+    # time to first token 30.4 s and 30.7 s. Elsewhere (the bf16 product and SDPA) a
     # running stream's longest gap while a 2,940-token prompt was admitted was 0.45-0.47 s in chunks of 128 (8x the
     # step).
     exact: bool = Field(True, description="Prefill as decoding computes (row-invariant) where the target is on our kernel, so that the prefix cache keeps answers too and a conversation's next turn prefills only what is new; false takes the fastest product for prefills (on CPUs with AMX oneDNN's bf16 product, 1.6-1.8x faster over 512-2,048 cold tokens), whose cache keeps whole prompt chunks only")
-    chunk_tokens: int | None = Field(None, ge=16, description="Prompt tokens of a prefill pass: running streams get a step between a long prompt's chunks (smaller bounds the stall, larger prefills faster); null: where prefills are exact (a quantized target on our kernel), 48 at a prompt's start (64 where attention runs on AMX tiles) and fewer as the context grows (attention_mac_cost), else 128")
+    chunk_tokens: int | None = Field(None, ge=16, description="Prompt tokens of a prefill pass: running streams get a step between a long prompt's chunks (smaller bounds the stall, larger prefills faster); null: where prefills are exact (a quantized target on our kernel), 48 at a prompt's start and fewer as the context grows (attention_mac_cost), else 128")
     attention_mac_cost: float | None = Field(None, gt=0, description="Where prefills are exact: what a multiply-add of the row-invariant attention costs against one of the int8 linear kernel (step_costs --chunk-rows), so that chunks hold fewer tokens the more context they attend and none costs more than a prompt's first; null: 8 on AVX registers (measured 7.3-9.0 on AVX-512 VNNI), 2.6 on AMX tiles (measured on a Xeon)")
     cache: bool = Field(True, description="Keep prefilled and decoded keys and values (the prefix cache; decoded ones where prefills are exact), so that a prompt that begins as an earlier one did, an earlier answer included, prefills only the rest, with the same text as without")
     cache_block_tokens: int = Field(8, ge=1, description="Tokens a prefix-cache block holds where prefills are exact (a quantized target on our kernel), where answers are cached too (a follow-up prefills again its history's partial last block); elsewhere a block is a whole chunk")
     cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used blocks leave first")
     keep_bf16_weights: bool = Field(True, description="Quantized models on our kernel keep the bf16 weights their first prefill pass that is not exact dequantizes (passes of 128 tokens and more, 48 prepacked for oneDNN on CPUs with AMX, the only ones whose such passes take the bf16 product): a draft model's (about 1 GB for the 0.5B), a target's where prefill.exact is false (2.6 GB for the 1.5B), so that each prefill chunk does not dequantize every weight again (measured: 0.57 against 0.92 s a 256-token chunk)")
 
-    def chunk_tokens_for(self, exact: bool, tiles: bool) -> int:
-        """Tokens of a prompt's first chunk: the configured ones, else the default measured for the prefill's kind
-        (`tiles`: exact prefills attend on AMX tiles)."""
-        return self.chunk_tokens or ((64 if tiles else 48) if exact else 128)
+    def chunk_tokens_for(self, exact: bool) -> int:
+        """Tokens of a prompt's first chunk: the configured ones, else the default measured for the prefill's kind."""
+        return self.chunk_tokens or (48 if exact else 128)
 
     def attention_mac_cost_for(self, tiles: bool) -> float:
         """The configured attention_mac_cost, else the one measured for the attention's path."""
