@@ -379,10 +379,7 @@ class Engine:
             raise failures[0]
         verdict = Verdict(logits[None], None, 0.0, paths=[[]], tokens=[None])
         self._accept(verdict, [0], [seq], [targets[0]], drafts, proposal)
-        emitted = self._emit(seq, verdict.tokens[0], logits)
-        if seq.grammar is not None:
-            seq.grammar.advance(emitted)
-        return RowResult(seq, emitted, 0, 0)
+        return RowResult(seq, self._emit(seq, verdict.tokens[0], logits), 0, 0)
 
     def _own_prefix(self, admission: Admission) -> OwnPrefix | None:
         """What the drafter's own cache takes from the prefix cache: its keys and values of the blocks the prompt
@@ -575,8 +572,6 @@ class Engine:
                 kept_features.append(verdict.hidden[-1][i, slots])
             if tokens is not None:  # a failed row keeps only its last token's slot, and leaves the batch below
                 emitted = self._emit(seq, tokens, verdict.logits[i, slots])
-                if seq.grammar is not None:
-                    seq.grammar.advance(emitted)
                 # Forced tokens delivered (kept, and not past a stop), then the drafter's.
                 by_grammar = min(forced[i], len(path), len(emitted))
                 kept = min(len(path), len(emitted)) - by_grammar
@@ -609,7 +604,8 @@ class Engine:
         return report
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> list[int]:
-        """Append tokens (the j-th drawn from logits[j]) up to the first stop; returns those appended."""
+        """Append tokens (the j-th drawn from logits[j]) up to the first stop, and move the row's grammar past them;
+        returns those appended."""
         emitted = []
         for j, token in enumerate(tokens):
             if seq.top_logprobs is not None:
@@ -629,6 +625,8 @@ class Engine:
                 break
         if seq.noise is not None:  # the positions behind the sequence are never drawn again
             seq.noise.forget_before(len(seq.output_ids))
+        if seq.grammar is not None:
+            seq.grammar.advance(emitted)
         return emitted
 
 
