@@ -261,8 +261,11 @@ def test_the_warm_up_chooses_the_verify_passes_path_before_any_request(monkeypat
 
 
 def test_a_draft_models_prefill_passes_keep_their_weights_from_the_warm_up(long_passes_dequantize):
+    # A warm-up chunk of DEQUANTIZE_ROWS tokens takes the bf16 product on any CPU: kept weights take it from 48 rows
+    # where the CPU has AMX tiles (the default chunk, 48, reaches that), elsewhere, under the fixture, from 128.
     config = Config.model_validate({"model": {"target": TINY, "dtype": "bf16", "weights": "int4", "device": "cpu"},
-                                    "speculation": {"drafter": "draft-model", "draft_model": TINY}})
+                                    "speculation": {"drafter": "draft-model", "draft_model": TINY},
+                                    "prefill": {"chunk_tokens": vnni.DEQUANTIZE_ROWS}})
     engine = build_engine(config)
     (draft,) = engine.drafter.own_models()
     layers = [layer for layer in draft.modules() if isinstance(layer, VnniLinear)]
