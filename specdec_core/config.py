@@ -132,7 +132,7 @@ class PrefillConfig(Section):
     # step).
     exact: bool = Field(True, description="Prefill as decoding computes (row-invariant) where the target is on our kernel, so that the prefix cache keeps answers too and a conversation's next turn prefills only what is new; false takes the fastest product for prefills (on CPUs with AMX oneDNN's bf16 product, 1.6-1.8x faster over 512-2,048 cold tokens), whose cache keeps whole prompt chunks only")
     chunk_tokens: int | None = Field(None, ge=16, description="Prompt tokens of a prefill pass: running streams get a step between a long prompt's chunks (smaller bounds the stall, larger prefills faster); null: where prefills are exact (a quantized target on our kernel), 48 at a prompt's start and fewer as the context grows (attention_mac_cost), else 128")
-    attention_mac_cost: float | None = Field(None, gt=0, description="Where prefills are exact: what a multiply-add of the row-invariant attention costs against one of the int8 linear kernel (step_costs --chunk-rows), so that chunks hold fewer tokens the more context they attend and none costs more than a prompt's first; null: 8 on AVX registers (measured 7.3-9.0 on AVX-512 VNNI), 2.6 on AMX tiles (measured on a Xeon)")
+    attention_mac_cost: float | None = Field(None, gt=0, description="Where prefills are exact: what a multiply-add of the row-invariant attention costs against one of the int8 linear kernel (step_costs --chunk-rows), so that chunks hold fewer tokens the more context they attend and none costs more than a prompt's first; null: 5 on AVX registers (measured 4.5-5.2 on an AMD EPYC, AVX-512 and AVX2; 7.3-9.0 before the attention scored 8-16 keys at once), 2.6 on AMX tiles (measured on a Xeon)")
     cache: bool = Field(True, description="Keep prefilled and decoded keys and values (the prefix cache; decoded ones where prefills are exact), so that a prompt that begins as an earlier one did, an earlier answer included, prefills only the rest, with the same text as without")
     cache_block_tokens: int = Field(8, ge=1, description="Tokens a prefix-cache block holds where prefills are exact (a quantized target on our kernel), where answers are cached too (a follow-up prefills again its history's partial last block); elsewhere a block is a whole chunk")
     cache_bytes: int = Field(4 * 2**30, ge=1, description="Most bytes the prefix cache holds (the 1.5B target takes 28 KiB a token); the least recently used blocks leave first")
@@ -144,7 +144,7 @@ class PrefillConfig(Section):
 
     def attention_mac_cost_for(self, tiles: bool) -> float:
         """The configured attention_mac_cost, else the one measured for the attention's path."""
-        return self.attention_mac_cost or (2.6 if tiles else 8.0)
+        return self.attention_mac_cost or (2.6 if tiles else 5.0)
 
 
 class GrammarConfig(Section):
