@@ -15,9 +15,9 @@ from pathlib import Path
 
 import simde_py
 import torch
-from torch.utils.cpp_extension import load
 
 from specdec_core.models import vnni
+from specdec_core.models.kernels import load_alone
 from specdec_core.models.paths import cache_dir
 
 EMULATED = ("avx512", "avxvnni")
@@ -26,12 +26,11 @@ EMULATED = ("avx512", "avxvnni")
 def _emulated(family: str):
     """`family`'s kernel file built on SIMDe with its own defines, for any CPU with AVX2."""
     build_dir = cache_dir() / "kernels" / f"{family}-emulated-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
     defines = [flag for flag in vnni.FAMILIES[family].compile_flags if flag.startswith("-D")]
-    return load(name=f"specdec_{family}_emulated", sources=[str(vnni.FAMILIES[family].source)], build_directory=str(build_dir),
-                extra_cflags=["-O2", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DSPECDEC_KERNEL_EMULATION", *defines,
-                              *vnni.NO_CONTRACTION, f"-I{simde_py.get_include()}", f"-I{Path(__file__).parent}"],
-                extra_ldflags=["-fopenmp"])
+    return load_alone(build_dir, name=f"specdec_{family}_emulated", sources=[str(vnni.FAMILIES[family].source)],
+                      extra_cflags=["-O2", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DSPECDEC_KERNEL_EMULATION", *defines,
+                                    *vnni.NO_CONTRACTION, f"-I{simde_py.get_include()}", f"-I{Path(__file__).parent}"],
+                      extra_ldflags=["-fopenmp"])
 
 
 _kernels = {family: _emulated(family) for family in EMULATED}

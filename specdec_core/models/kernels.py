@@ -33,31 +33,37 @@ def cpu_flags() -> frozenset[str]:
 
 def build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | None:
     """The extension `name` compiled from `source` with `flags`, or None (logged) when it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    from .paths import cache_dir, held_alone
+    from .paths import cache_dir
 
     # -fopenmp: at::parallel_for is inline OpenMP; without it a kernel runs on one thread. The
     # extension then shares the libgomp torch has loaded (same soname).
     build_dir = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / f"{name}.so"
     if built.exists() and built.stat().st_mtime >= source.stat().st_mtime:
         log.info("kernels: loading %s built in %s", what, build_dir)
     else:
         log.info("kernels: building %s in %s (once per machine, about a minute)", what, build_dir)
     try:
-        # One process at a time in torch's builder, by an flock that the OS releases when its holder dies. torch's own
-        # lock is a file (`lock`) that a process killed while it builds or loads leaves behind, and every later load
-        # then waited for it forever (a server stopped in its first start's build hung every start after it); holding
-        # the flock, no process of ours is in the builder here, so such a file is stale.
-        with held_alone(build_dir):
-            (build_dir / "lock").unlink(missing_ok=True)
-            return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                        build_directory=str(build_dir))
+        return load_alone(build_dir, name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                          extra_ldflags=["-fopenmp"])
     except (RuntimeError, OSError, ImportError) as error:
         log.warning("kernels: could not build %s (%s); it needs g++ and ninja (`pip install ninja`)", what, error)
         return None
+
+
+def load_alone(build_dir: Path, **load_args) -> ModuleType:
+    """torch's extension `load(**load_args)` into `build_dir` (made if missing), one process at a time, by an flock
+    that the OS releases when its holder dies. torch's own lock is a file (`lock`) that a process killed while it
+    builds or loads leaves behind, and every later load then waited for it forever (a server stopped in its first
+    start's build hung every start after it); holding the flock, no process of ours is in the builder here, so such
+    a file is stale and goes."""
+    from torch.utils.cpp_extension import load
+
+    from .paths import held_alone
+
+    with held_alone(build_dir):
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(build_directory=str(build_dir), **load_args)
 
 
 def traceable(kernel: Callable, fake: Callable) -> Callable:
