@@ -126,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="fetch, verify and convert registry models")
     p.add_argument("names", nargs="+", help="registry names (see `specdec models`)")
-    p.add_argument("--weights", choices=["int4", "int8"], help="also quantize and cache the packed weights (model.weights), "
+    p.add_argument("--weights", choices=["gguf", "int4", "int8"], help="also quantize and cache the packed weights (model.weights), "
                    "so that the first start does not")
     p.set_defaults(func=pull_command)
 

@@ -30,12 +30,13 @@ class ModelConfig(Section):
         "pass compiled by torch.compile: inductor on CPU, CUDA graphs on GPUs; the first passes wait for the compiler). "
         "static and compiled run Llama-family decoders and every drafter but layer-skip",
     )
-    weights: Literal["int4", "int8", "bf16", "fp32", "fp16"] | None = Field(
+    weights: Literal["gguf", "int4", "int8", "bf16", "fp32", "fp16"] | None = Field(
         None,
         description="Precision of the linear layers' weights (target and draft model); `dtype` stays the activation "
         "dtype. int4 (group-wise: a scale and a zero per 32 weights) and int8 (a scale per output channel) are "
         "weight-only quantization: the kernels dequantize on the fly and compute in `dtype`, so int4 on CUDA needs "
-        "dtype bf16. Layers a kernel cannot take fall back to the next wider precision (logged). null, or the same "
+        "dtype bf16. gguf serves a registry model's GGUF file's own blocks, every value the file's, on our CPU kernel. "
+        "Layers a kernel cannot take fall back to the next wider precision (logged). null, or the same "
         "name as `dtype`, keeps the weights unquantized in `dtype`. Embeddings stay in `dtype`. Packed weights of "
         "registry models are cached next to them. Measurements: docs/QUANT.md",
     )
@@ -43,7 +44,7 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _float_weights_are_the_dtype(self) -> "ModelConfig":
         # Unquantized weights are stored in the activation dtype: there is no mixed float mode.
-        if self.weights not in (None, "int4", "int8", self.dtype):
+        if self.weights not in (None, "gguf", "int4", "int8", self.dtype):
             raise ValueError(f"weights {self.weights} with dtype {self.dtype}: float weights are kept in dtype; "
                              f"set dtype: {self.weights} instead, or weights: int8 / int4")
         return self

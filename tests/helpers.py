@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,3 +61,20 @@ def decode(engine: Engine, seqs: list[Sequence], joins: dict[int, list[Sequence]
         assert engine.seqs, f"the batch emptied before the joins at steps {sorted(joins)}"
         reports.append(engine.step())
     return reports
+
+
+# Per GGUF type: inputs per block, bytes per block, and the offsets of its float16 fields (d, and dmin or m).
+GGUF_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)),
+               "Q8_0": (32, 34, (0,))}
+
+
+def gguf_tensor(qtype: str, rows: int, inputs: int, seed: int, scale: float = 0.01) -> np.ndarray:
+    """A GGUF tensor's bytes [rows, bytes per row] of type `qtype`: random bytes, so every bit pattern of codes and
+    sub-scales occurs, with float16 fields of either sign about `scale` in size (the file's d, dmin, m)."""
+    size, block_bytes, halves = GGUF_BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, inputs // size, block_bytes), dtype=np.uint8)
+    for at in halves:
+        values = (rng.standard_normal((rows, inputs // size)) * scale).astype(np.float16)
+        blocks[..., at:at + 2] = values[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)

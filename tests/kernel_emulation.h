@@ -30,8 +30,22 @@ Out truncate_lanes(__m512i v) {  // vpmovdb / vpmovdw: each int32 lane's low byt
 }
 inline __m128i emulated_cvtepi32_epi8(__m512i v) { return truncate_lanes<int8_t, __m128i>(v); }
 inline __m256i emulated_cvtepi32_epi16(__m512i v) { return truncate_lanes<int16_t, __m256i>(v); }
+template <typename Byte>
+__m512i widen_lanes(__m128i v) {  // vpmovzxbd / vpmovsxbd: each byte to an int32 lane
+  Byte bytes[16];
+  std::memcpy(bytes, &v, sizeof bytes);
+  int32_t lanes[16];
+  for (int i = 0; i < 16; ++i) lanes[i] = bytes[i];
+  __m512i out;
+  std::memcpy(&out, lanes, sizeof out);
+  return out;
+}
+inline __m512i emulated_cvtepu8_epi32(__m128i v) { return widen_lanes<uint8_t>(v); }
+inline __m512i emulated_cvtepi8_epi32(__m128i v) { return widen_lanes<int8_t>(v); }
 // Macros, as SIMDe's own names are: GCC's <immintrin.h> declares the native ones too.
 #define _mm512_reduce_add_epi32 emulated_reduce_add_epi32
+#define _mm512_cvtepu8_epi32 emulated_cvtepu8_epi32
+#define _mm512_cvtepi8_epi32 emulated_cvtepi8_epi32
 #define _mm512_cvtepi32_epi8 emulated_cvtepi32_epi8
 #define _mm512_cvtepi32_epi16 emulated_cvtepi32_epi16
 // AVX-VNNI's vpdpbusd on ymm is AVX512-VNNI's 256-bit one, VEX-encoded: the same sums.

@@ -21,9 +21,12 @@ from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import Engine
 from specdec_core.models import vnni, quant
+from specdec_core.models.gguf_blocks import SUPPORTED as GGUF_TYPES, UnsupportedTensor, repack
 from specdec_core.models.quant import Int4Linear, Int8Linear, VnniLinear, UnsupportedLayer, quantize_int4, quantize_int8, quantize_model
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
+
+from .helpers import GGUF_BLOCKS, gguf_tensor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = "tiny-random-llama"
@@ -141,19 +144,30 @@ def test_a_row_invariant_pass_stays_on_the_kernel_past_the_dequantizing_rows(ker
     assert not torch.equal(layer(x), alone)
 
 
+def gguf_layer(qtype: str, out_features: int, in_features: int, seed: int, bias: bool = False) -> VnniLinear:
+    """A layer of a GGUF tensor of random blocks (helpers.gguf_tensor), in bf16."""
+    blocks = gguf_tensor(qtype, out_features, in_features, seed)
+    layer = VnniLinear(*repack(blocks, qtype, out_features, in_features), torch.randn(out_features).bfloat16() if bias else None)
+    layer.dtype = torch.bfloat16
+    return layer
+
+
 @needs_vnni
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("precision", quant.PRECISIONS)
+@pytest.mark.parametrize("precision", [*quant.PRECISIONS, "Q4_K", "Q6_K"])
 def test_fused_projections_equal_the_separate_ones_bit_for_bit(precision: str, bias: bool, kernel_family: str):
     """q, k and v fused into one layer (one activation quantization, one kernel call) give each output row
     exactly what its own layer gives, at every pass length, and the separate layers then read views of the
-    fused weights (nothing is kept twice) and still give the same."""
+    fused weights (nothing is kept twice) and still give the same; a GGUF file's K-quants too."""
     torch.manual_seed(6)
-    layers = [VnniLinear.from_linear(nn.Linear(256, out, bias=bias, dtype=torch.bfloat16), precision) for out in (128, 32, 32)]
+    if precision in GGUF_TYPES:
+        layers = [gguf_layer(precision, out, 256, seed=out, bias=bias) for out in (128, 32, 48)]
+    else:
+        layers = [VnniLinear.from_linear(nn.Linear(256, out, bias=bias, dtype=torch.bfloat16), precision) for out in (128, 32, 32)]
     x = torch.randn(vnni.DEQUANTIZE_ROWS + 5, 256, dtype=torch.bfloat16)
     apart = {rows: [layer(x[:rows]) for layer in layers] for rows in (1, 2, 8, 33, vnni.DEQUANTIZE_ROWS - 1, vnni.DEQUANTIZE_ROWS + 5)}
     fused = quant.fuse(layers)
-    assert fused.out_features == 192 and (fused.bias is not None) == bias
+    assert fused.out_features == sum(layer.out_features for layer in layers) and (fused.bias is not None) == bias
     for rows, outputs in apart.items():
         assert torch.equal(fused(x[:rows]), torch.cat(outputs, dim=-1))
         assert all(torch.equal(layer(x[:rows]), out) for layer, out in zip(layers, outputs))
@@ -727,3 +741,75 @@ def test_a_reduced_vocabulary_takes_the_rows_of_a_quantized_output_layer(weights
     sliced = vocab.head(output)(x).float()
     full = output(x).float()[:, vocab.ids]
     assert (sliced - full).abs().max() <= 0.03 * full.abs().max()  # bf16, and int8 activations in the kernel
+
+
+# -- a GGUF file's own blocks ---------------------------------------------------------------------------------------
+
+# A byte of each type's first block that holds a code (its lowest bit: the code of one weight).
+CODE_BYTE = {"Q4_K": 16, "Q6_K": 0, "Q4_1": 4, "Q5_0": 6, "Q8_0": 2}
+
+
+def gguf_values(blocks, qtype: str, rows: int, inputs: int) -> torch.Tensor:
+    """The tensor's values as the gguf package dequantizes them (float32), the reference for every type."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])).reshape(rows, inputs)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_a_repacked_gguf_tensor_dequantizes_to_the_files_values(qtype: str, kernel_family: str):
+    """Every value of a repacked tensor is the file's (the gguf package's dequantization, bit for bit), on each
+    family; the control: one flipped code bit shows, at that weight alone."""
+    rows, inputs = 32, 512
+    blocks = gguf_tensor(qtype, rows, inputs, seed=1)
+    expected = gguf_values(blocks, qtype, rows, inputs)
+    assert torch.equal(vnni.dequantize_exact(*repack(blocks, qtype, rows, inputs)), expected)
+    flipped = blocks.copy()
+    flipped[5, CODE_BYTE[qtype]] ^= 1
+    changed = vnni.dequantize_exact(*repack(flipped, qtype, rows, inputs)) != expected
+    assert changed.sum() == 1 and changed[5].any()
+    assert torch.equal(gguf_values(flipped, qtype, rows, inputs) != expected, changed)
+
+
+def test_a_gguf_type_without_a_kernel_format_is_refused_by_name():
+    with pytest.raises(UnsupportedTensor, match="Q5_K.*Q4_K, Q6_K"):
+        repack(gguf_tensor("Q4_K", 16, 256, seed=0), "Q5_K", 16, 256)
+
+
+def gguf_reference(blocks, qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in float64 over the file's values, x rounded to int8 per 256 inputs (K-quants) or 32 as the kernel
+    rounds it (float32 127 / amax, as reference_group_sums explains)."""
+    rows, inputs = blocks.shape[0], x.shape[1]
+    group = GGUF_BLOCKS[qtype][0]
+    groups = x.float().reshape(x.shape[0], inputs // group, group)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    rounded = torch.round(groups * inverse).double() * (amax / 127).double()
+    return rounded.reshape_as(x) @ gguf_values(blocks, qtype, rows, inputs).double().T
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_tensors_compute_the_same_bits_on_every_path_at_every_row_count(qtype: str, dtype: str, far_prefetch: int):
+    """A GGUF tensor's passes on each family (AMX tiles where they run: a K-quant takes VNNI there), with and
+    without the far prefetch, give every row of a pass of 1 to 64 rows exactly what a one-row pass gives, the
+    same integer sums and dequantized weights, and the file's values times the rounded activations."""
+    rows, inputs = 48, 512
+    blocks = gguf_tensor(qtype, rows, inputs, seed=9)
+    packed, scale_min = repack(blocks, qtype, rows, inputs)
+    x = (torch.randn(64, inputs, generator=torch.Generator().manual_seed(2)) * 3).to(DTYPES[dtype])
+    paths = [(vnni.family_kernel(name), False) for name in FAMILIES_HERE]
+    if vnni.amx_missing() is None:
+        paths.append((vnni.family_kernel("avx512"), True))
+    alone = torch.cat([paths[0][0].mm(x[i : i + 1], packed, scale_min, False) for i in range(64)])
+    reference = gguf_reference(blocks, qtype, x)
+    tolerance = 1e-5 if dtype == "fp32" else 1e-2
+    assert (alone.double() - reference).abs().max() <= tolerance * reference.abs().max()
+    sums = paths[0][0].group_sums(x, packed, scale_min, False)
+    for kernel, tiles in paths:
+        assert torch.equal(kernel.group_sums(x, packed, scale_min, tiles), sums)
+        for count in range(1, 65):
+            assert torch.equal(kernel.mm(x[:count], packed, scale_min, tiles), alone[:count]), (kernel.__name__, tiles, count)
+        assert torch.equal(kernel.dequantize_t(packed, scale_min), paths[0][0].dequantize_t(packed, scale_min))

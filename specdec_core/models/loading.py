@@ -12,8 +12,9 @@ from torch import nn
 
 from . import attention
 from .catalogue import REGISTRY
-from .paths import model_dir
-from .quant import DEFAULT_GROUP_SIZE, QUANTIZED, cache_file, quantize_model
+from .gguf_blocks import GgufFile
+from .paths import gguf_path, model_dir
+from .quant import DEFAULT_GROUP_SIZE, GGUF, PACKED, cache_file, quantize_model
 from .runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
 from .static_runner import on_step
 from .tiny import is_tiny, tiny_model, tiny_tokenizer
@@ -32,13 +33,17 @@ class TokenizerMismatch(ValueError):
 def load_runner(name: str, model: ModelConfig) -> ModelRunner:
     """A runner for a registry name (pulled when missing), a local directory, a hub id, or a tiny random model,
     its linear layers quantized when `model.weights` asks for it."""
+    if model.weights == GGUF and name not in REGISTRY:
+        raise ValueError(f"model.weights: gguf serves a registry model's GGUF file; {name!r} is not one (see `specdec "
+                         "models`): use weights: int4 or int8")
     runner = _load_float_runner(name, model)
-    if model.weights in QUANTIZED:
+    if model.weights in PACKED:
         # Only registry models' directories are ours to write into; others are quantized on every start.
         directory = registry_dir(name)
         cache = cache_file(directory, model.weights, DEFAULT_GROUP_SIZE, runner.device) if directory else None
+        gguf = GgufFile(gguf_path(REGISTRY[name].gguf_file)) if model.weights == GGUF else None
         # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
-        quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
+        quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache, gguf=gguf)
     # Each output row of the quantized CPU kernels is its own dot products; float GEMMs block by the row count.
     quantized = runner.device.type == "cpu" and not any(isinstance(m, nn.Linear) for m in runner.model.modules())
     runner.row_invariant = quantized and attention.takes(runner.model.config, runner.dtype) and attention.extension() is not None

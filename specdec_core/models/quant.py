@@ -35,10 +35,14 @@ from torch import nn
 from tqdm import tqdm
 
 from . import vnni
+from .gguf_blocks import GgufFile, UnsupportedTensor
 
 log = logging.getLogger("specdec")
 
 QUANTIZED = ("int4", "int8")
+# model.weights that serve a GGUF file's own blocks (gguf_blocks.py) rather than quantizing float weights.
+GGUF = "gguf"
+PACKED = (*QUANTIZED, GGUF)  # the model.weights whose layers are packed, and cached
 # What a layer may get, narrowest first (a layer falls back to the next): int6 is our kernel's only (the output
 # layer's default, below).
 PRECISIONS = ("int4", "int6", "int8")
@@ -64,6 +68,8 @@ SCHEME = {  # written into each cache manifest, for whoever reads one
     f"error for levels in {INT4_LEVELS}: w = (q - 8) * scale + zero (torch's kernel), or with float16 "
     "scale and min = zero - 8 * scale: w = q * scale + min (vnni)",
     "int6": "asymmetric per 32 inputs, float16 scale and min: w = q * scale + min, q in 0..63 (vnni only)",
+    "gguf": "the GGUF file's own blocks, every value unchanged: Q4_K and Q6_K in super-blocks of 256 inputs with integer "
+    "sub-scales, Q4_1 / Q5_0 / Q8_0 as int4 / int6 / int8 per 32 inputs (gguf_blocks.py; vnni only)",
 }
 
 
@@ -243,8 +249,8 @@ class VnniLinear(QuantLinear):
 
     def __init__(self, packed: torch.Tensor, scale_min: torch.Tensor, bias: torch.Tensor | None = None,
                  parts: tuple[int, ...] = ()):
-        super().__init__(packed.shape[1] * vnni.GROUP_SIZE, packed.shape[0] * vnni.ROWS, bias)
-        self.precision = f"int{packed.shape[2]}"
+        super().__init__(packed.shape[1] * vnni.inputs_per_block(packed), packed.shape[0] * vnni.ROWS, bias)
+        self.precision = vnni.format_name(packed)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_min", scale_min)
         self.parts = parts  # a fused layer's parts, in blocks of vnni.ROWS outputs (`fuse`)
@@ -413,23 +419,30 @@ def quantize_model(
     group_size: int = DEFAULT_GROUP_SIZE,
     cache_path: str | Path | None = None,
     head_weights: str | None = None,
+    gguf: GgufFile | None = None,
 ) -> dict[str, str]:
-    """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear; return each
+    """Replace the model's nn.Linear layers in place by Int8Linear / Int4Linear / VnniLinear; return each
     replaced layer's precision by name.
 
+    `weights` is one of PACKED: int4 or int8 quantize the float weights; gguf takes each layer's blocks from the
+    GGUF file `gguf` the model was converted from (every value the file's; a tensor type without a kernel format
+    falls back to int8 of the float weights, logged).
     `head_weights` is the output layer's precision (one of PRECISIONS; another name leaves it float); None:
-    HEAD_WEIGHTS on our kernel, int8 on torch's.
+    HEAD_WEIGHTS on our kernel, int8 on torch's. gguf weights take the file's head too.
     With `cache_path`, packed weights made from the same float weights with the same settings are
     loaded from there instead of quantizing again; otherwise they are quantized and saved there.
     """
-    if weights not in QUANTIZED:
-        raise ValueError(f"weights {weights!r} is not one of {QUANTIZED}")
+    if weights not in PACKED:
+        raise ValueError(f"weights {weights!r} is not one of {PACKED}")
     linears = _linears(model)
     head = next((name for name, module in linears.items() if module is model.get_output_embeddings()), None)
     wanted = {name: weights for name in linears}
     some = next(iter(linears.values()))
     kernel_name = kernel(some.weight.device, group_size)
-    if head:
+    if weights == GGUF and (gguf is None or kernel_name != "vnni"):
+        raise ValueError("weights: gguf needs a registry model's GGUF file and our CPU kernel (x86 with AVX2); "
+                         "use weights: int4 or int8 here")
+    if head and weights != GGUF:
         wanted[head] = head_weights or (HEAD_WEIGHTS if kernel_name == "vnni" else "int8")
     key = {
         "format": CACHE_FORMAT,
@@ -440,6 +453,7 @@ def quantize_model(
         "kernel": kernel_name,
         "wanted": wanted,
         "source": _fingerprint(linears),
+        **({"gguf": {"file": gguf.path.name, "bytes": gguf.path.stat().st_size}} if weights == GGUF else {}),
     }
     manifest_path = Path(cache_path).with_suffix(".json") if cache_path else None
     manifest = json.loads(manifest_path.read_text()) if manifest_path and manifest_path.is_file() else {}
@@ -449,11 +463,19 @@ def quantize_model(
         return manifest["layers"]
 
     layers = {}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # A 1.5B model takes minutes (the step search): show progress, except for small test models.
-    for name, precision in tqdm(wanted.items(), desc=f"quantize to {weights}", unit="layer", disable=len(wanted) < 100):
+    for name, precision in tqdm(wanted.items(), desc=f"{'repack' if weights == GGUF else 'quantize to'} {weights}",
+                                unit="layer", disable=len(wanted) < 100):
         # pop: the float layer is freed as soon as its replacement is in (peak memory on CUDA).
         linear = linears.pop(name)
-        if precision in PRECISIONS and (layer := _quantize_with_fallback(name, linear, precision, group_size)):
+        if precision == GGUF:
+            layer = _gguf_layer(name, linear, gguf, tied and name == head)
+        elif precision in PRECISIONS:
+            layer = _quantize_with_fallback(name, linear, precision, group_size)
+        else:
+            continue
+        if layer:
             _replace(model, name, layer)
             layers[name] = layer.precision
     if cache_path:
@@ -462,6 +484,20 @@ def quantize_model(
         made = {"key": key, "layers": layers, "scheme": SCHEME, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _write_atomically(manifest_path, lambda tmp: tmp.write_text(json.dumps(made, indent=1) + "\n"))
     return layers
+
+
+def _gguf_layer(name: str, linear: nn.Linear, gguf: GgufFile, tied_head: bool) -> QuantLinear | None:
+    """The layer from its GGUF tensor's own blocks; where its type has no kernel format, int8 of the float weights."""
+    try:
+        layer = VnniLinear(*gguf.linear(name, tied_head), linear.bias)
+    except UnsupportedTensor as error:
+        log.warning("quantize: %s: %s; taking int8 of its float weights", name, error)
+        return _quantize_with_fallback(name, linear, "int8", DEFAULT_GROUP_SIZE)
+    if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
+        raise ValueError(f"{name}: the GGUF tensor is {layer.out_features} x {layer.in_features}, the model's "
+                         f"{tuple(linear.weight.shape)}")
+    layer.dtype = linear.weight.dtype
+    return layer
 
 
 def _load_cached(model: nn.Module, linears: dict[str, nn.Linear], path: Path, layers: dict[str, str], group_size: int) -> None:

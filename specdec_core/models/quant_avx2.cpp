@@ -38,6 +38,7 @@ struct Simd {
   using F = __m256;
   using I = __m256i;
   static constexpr int kLanes = 8;
+  static constexpr int64_t kSuperTokens = 4;  // a K format's activation rows per register block, both parts
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -57,6 +58,9 @@ struct Simd {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static F load_half(const uint16_t* in) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))); }
+  // 8 bytes, one per lane, as int32 (a K format's sub-scales).
+  static I widen(const uint8_t* in) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))); }
+  static I widen(const int8_t* in) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))); }
   static void store(float* out, F values) { _mm256_storeu_ps(out, values); }
   // To bf16, rounding to nearest even: the AVX-512 path's integer steps, lane by lane.
   static void store(at::BFloat16* out, F values) {
@@ -173,6 +177,92 @@ void block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogu
         __m256i sum = dot[t][p][0];
         for (int c = 1; c < chains; ++c) sum = _mm256_add_epi32(sum, dot[t][p][c]);
         epilogue.add(acc[t][p], group_sum<bits>(sum, in.code_sums[(t0 + t) * groups + g]), scale, min, t0 + t, g, col + p * kLanes);
+      }
+    }
+  }
+  for (int t = 0; t < tokens; ++t)
+    for (int p = 0; p < kParts; ++p) epilogue.finish(acc[t][p], t0 + t, col + p * kLanes);
+}
+
+// Each lane's int32 as the same int16 twice (its low 16 bits): `vpmaddwd` by it multiplies both of a lane's pair
+// sums by the lane's sub-scale.
+__m256i twice(__m256i lanes) { return _mm256_or_si256(_mm256_and_si256(lanes, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(lanes, 16)); }
+
+// A K format (quant_kernel.h): `tokens` (<= kTokens) activation rows from t0, both parts of one block. Per group the
+// codes' sums times their integer sub-scales add up over the super-block: with AVX-VNNI, sums per 16 inputs times
+// the sub-scales (vpmulld); on AVX2, `vpmaddubsw`'s int16 pair sums (Q4_K's 8 operands, Q6_K's 2: at most 30,480 and
+// 32,004) widened by `vpmaddwd` with the sub-scale itself. Per super-block the mins, two entries a lane as int16,
+// times the activations' sums (`vpmaddwd`); then one float epilogue. The same integers as AVX-512's.
+template <int bits, int tokens, typename Epilogue>
+void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
+  constexpr int pairs = min_entries<bits>() / 2;
+  const int64_t supers = in.k / kSuper, sums16 = in.k / 16, col = nb * kRows;
+  const uint8_t* w = in.w + nb * supers * super_bytes<bits>();
+  const uint16_t* dm = in.sm + nb * supers * 32;
+  __m256 acc[tokens][kParts];
+  for (int t = 0; t < tokens; ++t)
+    for (int p = 0; p < kParts; ++p) acc[t][p] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s, w += super_bytes<bits>(), dm += 32) {
+    const uint8_t* sub = w + 8 * group_bytes<bits>();
+    __m256i tot[tokens][kParts];
+    for (int t = 0; t < tokens; ++t)
+      for (int p = 0; p < kParts; ++p) tot[t][p] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      prefetch_super<bits>(w, dm, j);
+      const uint8_t* codes = w + j * group_bytes<bits>();
+      __m256i scale[2][kParts];  // per half of the group (Q4_K: both the same)
+      for (int h = 0; h < 2; ++h)
+        for (int p = 0; p < kParts; ++p) scale[h][p] = kVnni ? sub_scale<bits>(sub, j, h, p) : twice(sub_scale<bits>(sub, j, h, p));
+      __m256i dot[tokens][kParts][2];  // VNNI: int32 per half; AVX2: int16 pair sums since the last widening
+      for (int t = 0; t < tokens; ++t)
+        for (int p = 0; p < kParts; ++p) dot[t][p][0] = dot[t][p][1] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        __m256i op[kParts];
+        for (int p = 0; p < kParts; ++p) op[p] = Simd::operand<bits>(codes, p, i);
+        for (int t = 0; t < tokens; ++t) {
+          int32_t four;
+          std::memcpy(&four, in.codes + (t0 + t) * in.k + s * kSuper + j * kGroup + 4 * i, 4);
+          const __m256i a = _mm256_set1_epi32(four);
+          for (int p = 0; p < kParts; ++p) {
+#ifdef SPECDEC_AVX_VNNI
+            dot[t][p][i / 4] = _mm256_dpbusd_avx_epi32(dot[t][p][i / 4], op[p], a);
+#else
+            dot[t][p][0] = _mm256_add_epi16(dot[t][p][0], _mm256_maddubs_epi16(op[p], a));
+            if (bits == 6 && i % 2 == 1) {  // Q6_K: widen every 2 operands, before int16 could overflow
+              tot[t][p] = _mm256_add_epi32(tot[t][p], _mm256_madd_epi16(dot[t][p][0], scale[i / 4][p]));
+              dot[t][p][0] = _mm256_setzero_si256();
+            }
+#endif
+          }
+        }
+      }
+      for (int t = 0; t < tokens; ++t) {
+        for (int p = 0; p < kParts; ++p) {
+          if constexpr (kVnni) {
+            tot[t][p] = _mm256_add_epi32(tot[t][p], bits == 4 ? _mm256_mullo_epi32(_mm256_add_epi32(dot[t][p][0], dot[t][p][1]), scale[0][p])
+                                                              : _mm256_add_epi32(_mm256_mullo_epi32(dot[t][p][0], scale[0][p]),
+                                                                                 _mm256_mullo_epi32(dot[t][p][1], scale[1][p])));
+          } else if constexpr (bits == 4) {
+            tot[t][p] = _mm256_add_epi32(tot[t][p], _mm256_madd_epi16(dot[t][p][0], scale[0][p]));
+          }
+        }
+      }
+    }
+    for (int p = 0; p < kParts; ++p) {
+      __m256i mins[pairs];
+      for (int e = 0; e < pairs; ++e) {
+        mins[e] = _mm256_or_si256(_mm256_and_si256(entry_min<bits>(sub, 2 * e, p), _mm256_set1_epi32(0xFFFF)),
+                                  _mm256_slli_epi32(entry_min<bits>(sub, 2 * e + 1, p), 16));
+      }
+      const __m256 d = group_scale(dm, p), dmin = group_min(dm, p);
+      for (int t = 0; t < tokens; ++t) {
+        const int32_t* sums = in.code_sums + (t0 + t) * sums16 + s * 16;
+        __m256i mtot = _mm256_setzero_si256();
+        for (int e = 0; e < pairs; ++e) {
+          const uint32_t two = static_cast<uint16_t>(entry_sum<bits>(sums, 2 * e)) | static_cast<uint32_t>(entry_sum<bits>(sums, 2 * e + 1)) << 16;
+          mtot = _mm256_add_epi32(mtot, _mm256_madd_epi16(mins[e], _mm256_set1_epi32(static_cast<int32_t>(two))));
+        }
+        epilogue.add_super(acc[t][p], tot[t][p], mtot, d, dmin, t0 + t, s, col + p * kLanes);
       }
     }
   }

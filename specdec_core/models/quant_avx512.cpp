@@ -30,6 +30,7 @@ struct Simd {
   using F = __m512;
   using I = __m512i;
   static constexpr int kLanes = 16;
+  static constexpr int64_t kSuperTokens = 4;  // a K format's activation rows per register block: 8 measured slower
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -46,6 +47,9 @@ struct Simd {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static F load_half(const uint16_t* in) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in))); }
+  // 16 bytes, one per lane, as int32 (a K format's sub-scales).
+  static I widen(const uint8_t* in) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))); }
+  static I widen(const int8_t* in) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))); }
   static void store(float* out, F values) { _mm512_storeu_ps(out, values); }
   // To bf16, rounding to nearest even (plain AVX-512F, so no bf16 instructions needed).
   static void store(at::BFloat16* out, F values) {
@@ -158,6 +162,68 @@ void vnni_pass(const PassInputs& in, const Epilogue& e) {
       }
     }
   });
+}
+
+// A K format (quant_kernel.h): `tokens` (<= kTokens) activation rows from t0, one 16-row block. Per group the codes'
+// sums per 16 inputs (vpdpbusd) times their integer sub-scales (vpmulld) add up over the super-block; per super-block
+// the mins, two entries a lane as int16, times the activations' sums (vpdpwssd); then one float epilogue.
+template <int bits, int tokens, typename Epilogue>
+void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
+  constexpr int chains = tokens == 1 ? 2 : 1;  // per 16 inputs: a one-row pass splits its chains, as `block` does
+  constexpr int pairs = min_entries<bits>() / 2;
+  const int64_t supers = in.k / kSuper, sums16 = in.k / 16;
+  const uint8_t* w = in.w + nb * supers * super_bytes<bits>();
+  const uint16_t* dm = in.sm + nb * supers * 32;
+  __m512 acc[tokens];
+  for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s, w += super_bytes<bits>(), dm += 32) {
+    const uint8_t* sub = w + 8 * group_bytes<bits>();
+    __m512i tot[tokens];
+    for (int t = 0; t < tokens; ++t) tot[t] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      prefetch_super<bits>(w, dm, j);
+      const uint8_t* codes = w + j * group_bytes<bits>();
+      __m512i dot[tokens][2][chains];
+      for (int t = 0; t < tokens; ++t)
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < chains; ++c) dot[t][h][c] = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        const __m512i op = Simd::operand<bits>(codes, i);
+        for (int t = 0; t < tokens; ++t) {
+          int32_t four;
+          std::memcpy(&four, in.codes + (t0 + t) * in.k + s * kSuper + j * kGroup + 4 * i, 4);
+          dot[t][i / 4][i % chains] = _mm512_dpbusd_epi32(dot[t][i / 4][i % chains], op, _mm512_set1_epi32(four));
+        }
+      }
+      const __m512i low = sub_scale<bits>(sub, j, 0, 0), high = sub_scale<bits>(sub, j, 1, 0);
+      for (int t = 0; t < tokens; ++t) {
+        __m512i half[2];
+        for (int h = 0; h < 2; ++h) {
+          half[h] = dot[t][h][0];
+          for (int c = 1; c < chains; ++c) half[h] = _mm512_add_epi32(half[h], dot[t][h][c]);
+        }
+        const __m512i scaled = bits == 4 ? _mm512_mullo_epi32(_mm512_add_epi32(half[0], half[1]), low)
+                                         : _mm512_add_epi32(_mm512_mullo_epi32(half[0], low), _mm512_mullo_epi32(half[1], high));
+        tot[t] = _mm512_add_epi32(tot[t], scaled);
+      }
+    }
+    __m512i mins[pairs];
+    for (int p = 0; p < pairs; ++p) {
+      mins[p] = _mm512_or_si512(_mm512_and_si512(entry_min<bits>(sub, 2 * p, 0), _mm512_set1_epi32(0xFFFF)),
+                                _mm512_slli_epi32(entry_min<bits>(sub, 2 * p + 1, 0), 16));
+    }
+    const __m512 d = group_scale(dm, 0), dmin = group_min(dm, 0);
+    for (int t = 0; t < tokens; ++t) {
+      const int32_t* sums = in.code_sums + (t0 + t) * sums16 + s * 16;
+      __m512i mtot = _mm512_setzero_si512();
+      for (int p = 0; p < pairs; ++p) {
+        const uint32_t two = static_cast<uint16_t>(entry_sum<bits>(sums, 2 * p)) | static_cast<uint32_t>(entry_sum<bits>(sums, 2 * p + 1)) << 16;
+        mtot = _mm512_dpwssd_epi32(mtot, mins[p], _mm512_set1_epi32(static_cast<int32_t>(two)));
+      }
+      epilogue.add_super(acc[t], tot[t], mtot, d, dmin, t0 + t, s, nb * kRows);
+    }
+  }
+  for (int t = 0; t < tokens; ++t) epilogue.finish(acc[t], t0 + t, nb * kRows);
 }
 
 // AMX. Tiles: tmm0-1 B (one group's 8 weight operands, groups alternating), tmm2-3 A (`rows`

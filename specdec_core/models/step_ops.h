@@ -185,7 +185,7 @@ struct QuantizedProjection {
 
   torch::Tensor operator()(const torch::Tensor& x, bool tiles) const {
     RECORD_FUNCTION(name, std::vector<c10::IValue>());
-    const int64_t in = packed.size(1) * kGroup, out = packed.size(0) * kRows;
+    const int64_t in = inputs_of(packed), out = packed.size(0) * kRows;
     torch::Tensor y = quantized_mm(x.reshape({-1, in}).contiguous(), packed, scale_min, tiles);
     if (bias.has_value()) y = y + *bias;
     std::vector<int64_t> shape = x.sizes().vec();
@@ -235,7 +235,7 @@ KernelLayer kernel_layer(torch::Tensor input_norm, torch::Tensor qkv_packed, tor
                          torch::Tensor o_scale_min, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
                          torch::Tensor gate_up_packed, torch::Tensor gate_up_scale_min, c10::optional<torch::Tensor> gate_up_bias,
                          torch::Tensor down_packed, torch::Tensor down_scale_min, c10::optional<torch::Tensor> down_bias, double eps) {
-  TORCH_CHECK(gate_up_packed.size(0) % 2 == 0 && gate_up_packed.size(0) / 2 * kRows == down_packed.size(1) * kGroup,
+  TORCH_CHECK(gate_up_packed.size(0) % 2 == 0 && gate_up_packed.size(0) / 2 * kRows == inputs_of(down_packed),
               "gate_up must be gate's and up's outputs side by side, each down's inputs");
   return {input_norm, {"qkv_proj", qkv_packed, qkv_scale_min, qkv_bias}, qkv_sizes, {"o_proj", o_packed, o_scale_min, o_bias},
           post_norm, {"gate_up_proj", gate_up_packed, gate_up_scale_min, gate_up_bias},

@@ -37,6 +37,9 @@ log = logging.getLogger("specdec")
 
 GROUP_SIZE = 32  # inputs per scale and min; fixed by the kernel
 ROWS = 16  # output rows per block: one AVX-512 register of int32 sums
+SUPER_BLOCK = 256  # a GGUF K-quant's inputs per float scale: a K format's block along the inputs (quant_kernel.h)
+# packed.size(2) of each format: our group formats' code widths, and the K formats' 64-byte lines per super-block.
+FORMATS = {4: "int4", 6: "int6", 8: "int8", 36: "q4_k", 52: "q6_k"}
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,16 @@ def amx() -> bool:
     return _tiles_chosen()
 
 
+def format_name(packed: torch.Tensor) -> str:
+    """The packed weights' format: int4, int6 or int8 (per 32 inputs), or q4_k or q6_k (a GGUF file's super-blocks)."""
+    return FORMATS[packed.shape[2]]
+
+
+def inputs_per_block(packed: torch.Tensor) -> int:
+    """The inputs one block of `packed` spans along dim 1: 32, or a K format's 256."""
+    return SUPER_BLOCK if format_name(packed).startswith("q") else GROUP_SIZE
+
+
 def supports(out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
     return (device.type == "cpu" and group_size == GROUP_SIZE and out_features % ROWS == 0
             and in_features % GROUP_SIZE == 0 and extension() is not None)
@@ -288,6 +301,37 @@ def supports(out_features: int, in_features: int, group_size: int, device: torch
 def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes q [N, K] in 0..2^bits - 1 with scales and mins [N, K / 32] (w = q * scale + min) in the
     kernel's layout: packed [N/16, K/32, bits, 64] uint8 and scale_min [N/16, K/32, 2, 16] float16."""
+    return _pack_codes(q, bits), _per_block(scales, mins)
+
+
+def pack_super(q: torch.Tensor, sub_scales: torch.Tensor, sub_mins: torch.Tensor | None, d: torch.Tensor, dmin: torch.Tensor,
+               bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF K-quant in the kernel's K format (quant_kernel.h): codes q [N, K] (4 bits: Q4_K, 6: Q6_K), integer
+    sub-scales [N, K / 32] (Q4_K, with its mins [N, K / 32]) or [N, K / 16] int8 (Q6_K, whose mins are its sub-scales:
+    sub_mins None), d and dmin [N, K / 256] (w = d * sc * q - dmin * m): packed [N/16, K/256, 36 or 52, 64] uint8 and
+    scale_min [N/16, K/256, 2, 16] float16."""
+    n, k = q.shape
+    supers = k // SUPER_BLOCK
+    codes = _pack_codes(q, bits).reshape(n // ROWS, supers, -1)
+
+    def by_block(values: torch.Tensor) -> torch.Tensor:  # [N, S * e] -> [N/16, S, e * 16] bytes: entry-major, then row
+        return values.to(torch.int8 if values.dtype == torch.int8 else torch.uint8).view(torch.uint8).reshape(
+            n // ROWS, ROWS, supers, -1).permute(0, 2, 3, 1).reshape(n // ROWS, supers, -1)
+
+    subs = [by_block(sub_scales)] + ([by_block(sub_mins)] if sub_mins is not None else [])
+    packed = torch.cat([codes, *subs], dim=2)
+    return packed.reshape(n // ROWS, supers, -1, 64).contiguous(), _per_block(d, dmin)
+
+
+def _per_block(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Float16 scales and mins [N, B] (one per row and block of inputs) as [N/16, B, 2, 16]."""
+    n, blocks = scales.shape
+    per_group = torch.stack([scales.half(), mins.half()]).view(2, n // ROWS, ROWS, blocks)
+    return per_group.permute(1, 3, 0, 2).contiguous()
+
+
+def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes q [N, K] as [N/16, K/32, bits, 64] uint8: 8 operands a group (quant_kernel.h)."""
     n, k = q.shape
     # Operand i of a group holds inputs 4i..4i+3 of 16 rows, row-major (quant_kernel.h).
     operands = q.to(torch.uint8).view(n // ROWS, ROWS, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
@@ -298,13 +342,16 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
             tops = operands >> 4
             chunks.append(tops[:, :, 0::4] | tops[:, :, 1::4] << 2 | tops[:, :, 2::4] << 4 | tops[:, :, 3::4] << 6)
         operands = torch.cat(chunks, dim=2)
-    packed = operands.reshape(n // ROWS, k // GROUP_SIZE, bits, 64).contiguous()
-    per_group = torch.stack([scales.half(), mins.half()]).view(2, n // ROWS, ROWS, k // GROUP_SIZE)
-    return packed, per_group.permute(1, 3, 0, 2).contiguous()
+    return operands.reshape(n // ROWS, k // GROUP_SIZE, bits, 64).contiguous()
 
 
 def _vnni_dequantize_t(packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     return extension().dequantize_t(packed, scale_min)
+
+
+def dequantize_exact(packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """The weights [N, K] in float32, each its exact value rounded once (as the gguf package gives a GGUF tensor's)."""
+    return extension().dequantize_t(packed, scale_min, float32=True).T
 
 
 def _vnni_mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, tiles: bool) -> torch.Tensor:
@@ -314,7 +361,7 @@ def _vnni_mm(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, til
 # The weights, transposed: [K, N] bf16.
 dequantize_t = traceable(
     _vnni_dequantize_t,
-    lambda packed, scale_min: packed.new_empty(packed.shape[1] * GROUP_SIZE, packed.shape[0] * ROWS, dtype=torch.bfloat16),
+    lambda packed, scale_min: packed.new_empty(packed.shape[1] * inputs_per_block(packed), packed.shape[0] * ROWS, dtype=torch.bfloat16),
 )
 _mm = traceable(_vnni_mm, lambda x, packed, scale_min, tiles: x.new_empty(x.shape[0], packed.shape[0] * ROWS))
 
