@@ -1,4 +1,5 @@
-"""Converting a verified GGUF to bf16 safetensors, with transformers, once per model."""
+"""Converting a verified GGUF for transformers, once per model: its config and tokenizer, and on demand its weights
+as bf16 safetensors (what float, int4 and int8 weights load; gguf weights read the GGUF file itself)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,22 @@ import os
 from pathlib import Path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF with transformers and save bf16 safetensors, config and tokenizer into ``out_dir``."""
+def convert_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """Save the GGUF's config, generation config and tokenizer (with its chat template) into ``out_dir``, no weights."""
     # Both loads read a local directory, so nothing should reach for a hub; HF_HUB_OFFLINE makes
     # sure of it when transformers is first imported here (huggingface_hub reads it at import).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out_dir)  # carries the chat template
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF with transformers and save bf16 safetensors, config and tokenizer into ``out_dir``."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from gguf import GGMLQuantizationType, GGUFReader, MODEL_ARCH_NAMES, dequantize, get_tensor_name_map
 
 from . import vnni
@@ -151,3 +152,29 @@ class GgufFile:
             return None
         shape = [int(v) for v in reversed(tensor.shape)]
         return torch.from_numpy(np.array(dequantize(self._rows(tensor), tensor.tensor_type)).reshape(shape))  # a copy: the file is read-only
+
+    def embedding(self, dtype: torch.dtype) -> GgufEmbedding:
+        """The token embeddings as the file's own rows (GgufEmbedding)."""
+        tensor = self.tensors["token_embd.weight"]
+        return GgufEmbedding(np.asarray(tensor.data), GGMLQuantizationType(tensor.tensor_type), int(tensor.shape[0]), dtype)
+
+
+class GgufEmbedding(nn.Module):
+    """Token embeddings as the GGUF file's rows (memory-mapped), each dequantized when looked up by the gguf package:
+    the 1.5B's Q4_K rows are 131 MB where bf16 would take 467 MB, and nothing is converted at start. A row comes out
+    in the model's dtype: the file's value rounded to it once, as the bf16 conversion's embeddings hold it."""
+
+    def __init__(self, rows: np.ndarray, qtype: GGMLQuantizationType, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.rows, self.qtype = rows, qtype
+        self.num_embeddings, self.embedding_dim = rows.shape[0], dim
+        # Carries the output dtype through .to() / .float(), as a weight would.
+        self.register_buffer("like", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).cpu().numpy()
+        values = torch.from_numpy(np.array(dequantize(self.rows[ids], self.qtype)).reshape(len(ids), self.embedding_dim))
+        return values.to(self.like.dtype).reshape(*input_ids.shape, self.embedding_dim).to(input_ids.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} rows"

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from . import attention
@@ -41,9 +42,9 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
         # Only registry models' directories are ours to write into; others are quantized on every start.
         directory = registry_dir(name)
         cache = cache_file(directory, model.weights, DEFAULT_GROUP_SIZE, runner.device) if directory else None
-        gguf = GgufFile(gguf_path(REGISTRY[name].gguf_file)) if model.weights == GGUF else None
-        # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
-        quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache, gguf=gguf)
+        if model.weights != GGUF:  # _gguf_runner's layers are the file's already
+            # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
+            quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
     # Each output row of the quantized CPU kernels is its own dot products; float GEMMs block by the row count.
     quantized = runner.device.type == "cpu" and not any(isinstance(m, nn.Linear) for m in runner.model.modules())
     runner.row_invariant = quantized and attention.takes(runner.model.config, runner.dtype) and attention.extension() is not None
@@ -52,6 +53,8 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
 
 def _load_float_runner(name: str, model: ModelConfig) -> ModelRunner:
     set_threads(model.threads)
+    if model.weights == GGUF:
+        return _gguf_runner(name, model)
     if is_tiny(name):
         tokenizer = tiny_tokenizer()
         module = tiny_model(name, len(tokenizer)).to(DTYPES[model.dtype]).to(resolve_device(model.device)).eval()
@@ -60,6 +63,40 @@ def _load_float_runner(name: str, model: ModelConfig) -> ModelRunner:
 
     module, tokenizer = load_model(resolve(name), model.dtype, model.device)
     return ModelRunner(module, tokenizer, name)
+
+
+def _gguf_runner(name: str, model: ModelConfig) -> ModelRunner:
+    """A registry model served from its GGUF file's own blocks, with no float copy of its weights made or read: the
+    config and tokenizer from the pull, the model built empty (on the meta device), its linear layers the file's
+    blocks (quantize_model, cached packed), its embeddings the file's rows (GgufEmbedding), its other tensors (norms,
+    biases) the file's values in `model.dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from .registry import pull
+
+    if resolve_device(model.device).type != "cpu":
+        raise ValueError("model.weights: gguf runs on our CPU kernel; on a GPU use weights: int4 (configs/default-bf16.yaml)")
+    directory, dtype = pull(name, float_weights=False), DTYPES[model.dtype]
+    gguf = GgufFile(gguf_path(REGISTRY[name].gguf_file))
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=dtype,
+                                                  attn_implementation=attention.IMPLEMENTATION)
+    module.generation_config = GenerationConfig.from_pretrained(directory)
+    quantize_model(module, GGUF, DEFAULT_GROUP_SIZE, cache_file(directory, GGUF, DEFAULT_GROUP_SIZE, torch.device("cpu")), gguf=gguf)
+    module.set_input_embeddings(gguf.embedding(dtype))
+    decoder = module.get_decoder()
+    decoder.rotary_emb = type(decoder.rotary_emb)(config=module.config)  # its buffers, made on the meta device
+    tied = bool(module.config.tie_word_embeddings)
+    for tensor_name, tensor in [*module.named_parameters(), *module.named_buffers()]:  # norms, biases (buffers on the kernel)
+        if tensor.is_meta and (values := gguf.values(tensor_name, tied)) is not None:
+            owner, _, attribute = tensor_name.rpartition(".")
+            values = values.to(dtype)
+            setattr(module.get_submodule(owner), attribute, nn.Parameter(values, requires_grad=False)
+                    if isinstance(tensor, nn.Parameter) else values)
+    left = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
+    if left:
+        raise LookupError(f"{name}: {', '.join(left)} not loaded from {gguf.path.name}")
+    return ModelRunner(module.eval(), AutoTokenizer.from_pretrained(directory), name)
 
 
 def registry_dir(name: str) -> Path | None:

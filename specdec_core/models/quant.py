@@ -22,6 +22,7 @@ Measurements behind the defaults: docs/QUANT.md.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -287,15 +288,40 @@ class VnniLinear(QuantLinear):
         return vnni.dequantize_t(self.packed, self.scale_min).T.to(self.dtype).contiguous()
 
 
-def fuse(layers: list[nn.Module]) -> VnniLinear | None:
-    """One VnniLinear for `layers` that read the same input (q, k and v; gate and up): their outputs side by
-    side, from one activation quantization and one kernel call. Each output row is its own integer dot
-    products with the same float epilogue, so the fused outputs equal the separate ones bit for bit (passes
-    long enough to dequantize multiply each part apart, for the same reason). The layers' own weights become
-    views of the fused ones, so nothing is kept twice. None (nothing changed) unless all are VnniLinear of one
-    precision, with biases on all or on none."""
-    if not all(isinstance(layer, VnniLinear) for layer in layers) or len({layer.precision for layer in layers}) != 1:
+class FusedLinear(QuantLinear):
+    """Layers that read the same input but hold different formats (a GGUF file's q and k in Q4_K, its v in Q6_K): each
+    run of one format fused (`fuse`), their outputs side by side, each run computing what its own layers do."""
+
+    precision = "mixed"
+
+    def __init__(self, runs: list[VnniLinear]):
+        super().__init__(runs[0].in_features, sum(run.out_features for run in runs), None)
+        self.runs = nn.ModuleList(runs)
+        self.dtype = runs[0].dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([run(x) for run in self.runs], dim=-1)
+
+
+def fuse(layers: list[nn.Module]) -> VnniLinear | FusedLinear | None:
+    """One layer for `layers` that read the same input (q, k and v; gate and up): their outputs side by side. Layers
+    of one precision become one VnniLinear (`_fuse_run`); layers of several, a FusedLinear of each run of one. None
+    (nothing changed) unless all are VnniLinear and each run's biases are on all its layers or on none."""
+    if not all(isinstance(layer, VnniLinear) for layer in layers):
         return None
+    runs = [list(run) for _, run in itertools.groupby(layers, key=lambda layer: layer.precision)]
+    fused = [run[0] if len(run) == 1 and len(runs) > 1 else _fuse_run(run) for run in runs]
+    if any(run is None for run in fused):
+        return None
+    return fused[0] if len(fused) == 1 else FusedLinear(fused)
+
+
+def _fuse_run(layers: list[VnniLinear]) -> VnniLinear | None:
+    """One VnniLinear for layers of one precision: their outputs side by side, from one activation quantization and
+    one kernel call. Each output row is its own integer dot products with the same float epilogue, so the fused
+    outputs equal the separate ones bit for bit (passes long enough to dequantize multiply each part apart, for the
+    same reason). The layers' own weights become views of the fused ones, so nothing is kept twice. None unless
+    their biases are on all or on none."""
     biases = [layer.bias for layer in layers]
     if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
         return None
@@ -311,7 +337,7 @@ def fuse(layers: list[nn.Module]) -> VnniLinear | None:
 _fused: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
 
-def fused_projections(model: nn.Module) -> list[tuple[VnniLinear | None, VnniLinear | None]]:
+def fused_projections(model: nn.Module) -> list[tuple[VnniLinear | FusedLinear | None, VnniLinear | FusedLinear | None]]:
     """Per decoder layer of a Llama-family model, its fused q/k/v and gate/up projections (`fuse`; None where
     they cannot be fused), made once per model: every runner over it shares them."""
     if model not in _fused:
@@ -328,7 +354,7 @@ def keep_dequantized(model: nn.Module, keep: bool) -> None:
     dequantizes (2.6 GB for a 1.5B model): a chunked prefill's every chunk then costs its product, not a
     dequantization of every weight. The kept weights are the ones dequantized each time; on AMX prepacked for
     oneDNN's matmul (vnni.kept_weights), which rounds as its own: every long pass of a kept layer takes them."""
-    fused = [layer for pair in _fused.get(model, ()) for layer in pair if layer is not None]
+    fused = [part for pair in _fused.get(model, ()) for layer in pair if layer is not None for part in layer.modules()]
     for layer in [*model.modules(), *fused]:
         if isinstance(layer, VnniLinear):
             layer.keeps_dequantized = keep
@@ -438,7 +464,9 @@ def quantize_model(
     head = next((name for name, module in linears.items() if module is model.get_output_embeddings()), None)
     wanted = {name: weights for name in linears}
     some = next(iter(linears.values()))
-    kernel_name = kernel(some.weight.device, group_size)
+    # gguf layers need no float weights: a model built on the meta device takes them, on the CPU.
+    device = torch.device("cpu") if weights == GGUF else some.weight.device
+    kernel_name = kernel(device, group_size)
     if weights == GGUF and (gguf is None or kernel_name != "vnni"):
         raise ValueError("weights: gguf needs a registry model's GGUF file and our CPU kernel (x86 with AVX2); "
                          "use weights: int4 or int8 here")
@@ -447,18 +475,17 @@ def quantize_model(
     key = {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
-        "device": some.weight.device.type,
+        "device": device.type,
         "dtype": str(some.weight.dtype),
         "group_size": group_size,
         "kernel": kernel_name,
         "wanted": wanted,
-        "source": _fingerprint(linears),
-        **({"gguf": {"file": gguf.path.name, "bytes": gguf.path.stat().st_size}} if weights == GGUF else {}),
+        "source": {"gguf": gguf.path.name, "bytes": gguf.path.stat().st_size} if weights == GGUF else _fingerprint(linears),
     }
     manifest_path = Path(cache_path).with_suffix(".json") if cache_path else None
     manifest = json.loads(manifest_path.read_text()) if manifest_path and manifest_path.is_file() else {}
     if manifest.get("key") == key:
-        _load_cached(model, linears, Path(cache_path), manifest["layers"], group_size)
+        _load_cached(model, linears, Path(cache_path), manifest["layers"], group_size, device)
         log.info("quantize: loaded %d packed layers from %s", len(manifest["layers"]), cache_path)
         return manifest["layers"]
 
@@ -487,12 +514,17 @@ def quantize_model(
 
 
 def _gguf_layer(name: str, linear: nn.Linear, gguf: GgufFile, tied_head: bool) -> QuantLinear | None:
-    """The layer from its GGUF tensor's own blocks; where its type has no kernel format, int8 of the float weights."""
+    """The layer from its GGUF tensor's own blocks (its bias stays the model's); where its type has no kernel format,
+    int8 of the file's values."""
     try:
         layer = VnniLinear(*gguf.linear(name, tied_head), linear.bias)
     except UnsupportedTensor as error:
-        log.warning("quantize: %s: %s; taking int8 of its float weights", name, error)
-        return _quantize_with_fallback(name, linear, "int8", DEFAULT_GROUP_SIZE)
+        log.warning("quantize: %s: %s; taking int8 of the file's values", name, error)
+        values = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            for kind, parameter in values.named_parameters():
+                parameter.copy_(gguf.values(f"{name}.{kind}", tied_head))
+        return _quantize_with_fallback(name, values, "int8", DEFAULT_GROUP_SIZE)
     if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
         raise ValueError(f"{name}: the GGUF tensor is {layer.out_features} x {layer.in_features}, the model's "
                          f"{tuple(linear.weight.shape)}")
@@ -500,8 +532,8 @@ def _gguf_layer(name: str, linear: nn.Linear, gguf: GgufFile, tied_head: bool) -
     return layer
 
 
-def _load_cached(model: nn.Module, linears: dict[str, nn.Linear], path: Path, layers: dict[str, str], group_size: int) -> None:
-    device = next(iter(linears.values())).weight.device
+def _load_cached(model: nn.Module, linears: dict[str, nn.Linear], path: Path, layers: dict[str, str], group_size: int,
+                 device: torch.device) -> None:
     # Copies, not views of the file: safetensors places tensors at arbitrary offsets, and the CPU
     # int8 kernel faults on weights that are not 64-byte aligned (torch's allocator aligns them).
     tensors = {name: t.to(device, copy=True) for name, t in load_file(str(path)).items()}
