@@ -293,10 +293,25 @@ def test_layers_that_cannot_be_fused_are_left_alone():
     torch.manual_seed(7)
     floats = [nn.Linear(64, 32) for _ in range(2)]
     assert quant.fuse(floats) is None
-    if vnni.extension() is not None:
-        mixed = [VnniLinear.from_linear(nn.Linear(64, 32), "int4"), VnniLinear.from_linear(nn.Linear(64, 32), "int8")]
+    if vnni.extension() is not None:  # a run of one precision with a bias on some layers only
+        mixed = [VnniLinear.from_linear(nn.Linear(64, 32, bias=bias), "int4") for bias in (True, False)]
         packed = [layer.packed for layer in mixed]
         assert quant.fuse(mixed) is None and all(layer.packed is p for layer, p in zip(mixed, packed))
+
+
+@needs_vnni
+def test_layers_of_several_formats_fuse_by_runs_and_equal_the_separate_ones(kernel_family: str):
+    """A GGUF file's q and k in Q4_K and its v in Q6_K: q and k fuse into one layer, v stays its own, and the fused
+    projection gives what the three layers give, bit for bit."""
+    layers = [gguf_layer("Q4_K", 128, 256, seed=1, bias=True), gguf_layer("Q4_K", 32, 256, seed=2, bias=True),
+              gguf_layer("Q6_K", 32, 256, seed=3, bias=True)]
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    apart = {rows: torch.cat([layer(x[:rows]) for layer in layers], dim=-1) for rows in (1, 5, 64)}
+    fused = quant.fuse(layers)
+    assert isinstance(fused, quant.FusedLinear) and [run.precision for run in fused.runs] == ["q4_k", "q6_k"]
+    assert fused.runs[1] is layers[2] and fused.out_features == 192
+    for rows, expected in apart.items():
+        assert torch.equal(fused(x[:rows]), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

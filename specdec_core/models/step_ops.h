@@ -177,19 +177,24 @@ torch::Tensor rotate_and_cache(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 // y = x @ W.T (+ bias) on the quantized product, as VnniLinear computes it: x [..., K] -> [..., N] in x's dtype,
-// the bias added by ATen in that dtype afterwards (a second rounding, as the module's `out + bias` does).
+// the bias added by ATen in that dtype afterwards (a second rounding, as the module's `out + bias` does). A projection
+// of layers in several formats (quant.FusedLinear) has a run of each, their outputs side by side.
 struct QuantizedProjection {
   const char* name;  // the module's, as step_profile labels it
-  torch::Tensor packed, scale_min;
-  c10::optional<torch::Tensor> bias;
+  std::vector<torch::Tensor> packed, scale_min;
+  std::vector<c10::optional<torch::Tensor>> bias;
 
   torch::Tensor operator()(const torch::Tensor& x, bool tiles) const {
     RECORD_FUNCTION(name, std::vector<c10::IValue>());
-    const int64_t in = inputs_of(packed), out = packed.size(0) * kRows;
-    torch::Tensor y = quantized_mm(x.reshape({-1, in}).contiguous(), packed, scale_min, tiles);
-    if (bias.has_value()) y = y + *bias;
+    const torch::Tensor rows = x.reshape({-1, inputs_of(packed[0])}).contiguous();
+    std::vector<torch::Tensor> runs;
+    for (size_t run = 0; run < packed.size(); ++run) {
+      torch::Tensor y = quantized_mm(rows, packed[run], scale_min[run], tiles);
+      runs.push_back(bias[run].has_value() ? y + *bias[run] : y);
+    }
+    torch::Tensor y = runs.size() == 1 ? runs[0] : torch::cat(runs, -1);
     std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = out;
+    shape.back() = y.size(-1);
     return y.view(shape);
   }
 };
@@ -230,12 +235,16 @@ struct KernelLayer {
   }
 };
 
-KernelLayer kernel_layer(torch::Tensor input_norm, torch::Tensor qkv_packed, torch::Tensor qkv_scale_min,
-                         c10::optional<torch::Tensor> qkv_bias, std::vector<int64_t> qkv_sizes, torch::Tensor o_packed,
-                         torch::Tensor o_scale_min, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
-                         torch::Tensor gate_up_packed, torch::Tensor gate_up_scale_min, c10::optional<torch::Tensor> gate_up_bias,
-                         torch::Tensor down_packed, torch::Tensor down_scale_min, c10::optional<torch::Tensor> down_bias, double eps) {
-  TORCH_CHECK(gate_up_packed.size(0) % 2 == 0 && gate_up_packed.size(0) / 2 * kRows == inputs_of(down_packed),
+using Tensors = std::vector<torch::Tensor>;
+using Biases = std::vector<c10::optional<torch::Tensor>>;
+
+KernelLayer kernel_layer(torch::Tensor input_norm, Tensors qkv_packed, Tensors qkv_scale_min, Biases qkv_bias,
+                         std::vector<int64_t> qkv_sizes, Tensors o_packed, Tensors o_scale_min, Biases o_bias, torch::Tensor post_norm,
+                         Tensors gate_up_packed, Tensors gate_up_scale_min, Biases gate_up_bias, Tensors down_packed,
+                         Tensors down_scale_min, Biases down_bias, double eps) {
+  int64_t gate_up_blocks = 0;
+  for (const torch::Tensor& run : gate_up_packed) gate_up_blocks += run.size(0);
+  TORCH_CHECK(gate_up_blocks % 2 == 0 && gate_up_blocks / 2 * kRows == inputs_of(down_packed[0]),
               "gate_up must be gate's and up's outputs side by side, each down's inputs");
   return {input_norm, {"qkv_proj", qkv_packed, qkv_scale_min, qkv_bias}, qkv_sizes, {"o_proj", o_packed, o_scale_min, o_bias},
           post_norm, {"gate_up_proj", gate_up_packed, gate_up_scale_min, gate_up_bias},

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import vnni
-from .quant import VnniLinear, fused_projections
+from .quant import FusedLinear, VnniLinear, fused_projections
 
 
 def extension() -> ModuleType | None:
@@ -52,7 +52,7 @@ def _made_kernel_layers(model: nn.Module, ops: ModuleType | None) -> list[Any] |
     for layer, (qkv, gate_up) in zip(model.get_decoder().layers, fused_projections(model)):
         attention, mlp = layer.self_attn, layer.mlp
         projections = (qkv, attention.o_proj, gate_up, mlp.down_proj)
-        if not all(isinstance(p, VnniLinear) for p in projections):
+        if not all(isinstance(p, (VnniLinear, FusedLinear)) for p in projections):
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if len({*(norm.weight.dtype for norm in norms), qkv.dtype}) != 1 or len({norm.variance_epsilon for norm in norms}) != 1:
@@ -65,9 +65,11 @@ def _made_kernel_layers(model: nn.Module, ops: ModuleType | None) -> list[Any] |
     return layers
 
 
-def _weights(projection: VnniLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A projection's packed weights, scales and mins, and bias, as KernelLayer takes them."""
-    return projection.packed, projection.scale_min, projection.bias
+def _weights(projection: VnniLinear | FusedLinear) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+    """A projection's packed weights, scales and mins, and biases, one each per run of one format, as KernelLayer takes
+    them."""
+    runs = projection.runs if isinstance(projection, FusedLinear) else [projection]
+    return [run.packed for run in runs], [run.scale_min for run in runs], [run.bias for run in runs]
 
 
 def takes_kernel_layers(hidden: torch.Tensor, kept: bool) -> bool:
