@@ -13,9 +13,11 @@ import copy
 import importlib
 import inspect
 import json
+import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,9 +31,12 @@ from specdec_core.build import build_engine
 from specdec_core.config import Config, ModelConfig
 from specdec_core.engine import Engine
 from specdec_core.models import vnni
+from specdec_core.models.catalogue import REGISTRY
+from specdec_core.models.gguf_blocks import GgufFile
 from specdec_core.models.loading import load_runner
-from specdec_core.models.paths import model_dir
+from specdec_core.models.paths import gguf_path, model_dir
 from specdec_core.models.quant import (
+    GGUF,
     DEFAULT_GROUP_SIZE,
     HEAD_WEIGHTS,
     INT4_GROUP_SIZES,
@@ -45,6 +50,7 @@ from specdec_core.models.quant import (
     quantize_model,
 )
 from specdec_core.models.runner import ModelRunner
+from specdec_tools.bench.llama_cpp import find_tools, llama_perplexity, registry_gguf
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -352,17 +358,29 @@ class Variant:
 
     @property
     def label(self) -> str:
+        if self.weights == FILE_VALUES:
+            return "fp32, the file's values"
+        if self.weights == GGUF:
+            return "gguf (the file's blocks)"
         if not self.weights:
             return self.dtype
         group = f" g{self.group_size}" if self.weights == "int4" else ""
         return f"{self.weights}{group}, head {self.head}"
 
 
+# A variant of a registry model with every tensor's values from its GGUF file, in float32 (the gguf package's
+# dequantization): the reference the quality of the others is measured against.
+FILE_VALUES = "file"
+
+
 def parse_variant(text: str) -> Variant:
-    """`bf16`, `fp32`, `int8`, `int4`, `int4:g64`, `int4:head=int4`, `int4:g64:head=bf16` (activations bf16)."""
+    """`bf16`, `fp32`, `file` (fp32, every tensor the GGUF file's values), `gguf` (the file's blocks), `int8`, `int4`,
+    `int4:g64`, `int4:head=int4`, `int4:g64:head=bf16` (activations bf16)."""
     name, *options = text.split(":")
     if name in ("bf16", "fp32"):
         return Variant(name)
+    if name == FILE_VALUES:
+        return Variant("fp32", FILE_VALUES)
     group, head = DEFAULT_GROUP_SIZE, HEAD_WEIGHTS
     for option in options:
         if option.startswith("g"):
@@ -377,7 +395,18 @@ def parse_variant(text: str) -> Variant:
 def load_variant(model: str, variant: Variant) -> ModelRunner:
     """The model at `variant`: loaded as the server loads it, then quantized with the variant's settings
     (through the packed cache, like the server)."""
+    if variant.weights == GGUF:
+        return load_runner(model, ModelConfig(target=model, dtype=variant.dtype, weights=GGUF))
     runner = load_runner(model, ModelConfig(target=model, dtype=variant.dtype))
+    if variant.weights == FILE_VALUES:
+        gguf, tied = GgufFile(gguf_path(REGISTRY[model].gguf_file)), bool(runner.model.config.tie_word_embeddings)
+        with torch.no_grad():
+            for name, parameter in runner.model.named_parameters():
+                values = gguf.values(name, tied)
+                if values is None:
+                    raise LookupError(f"{name} has no tensor in {gguf.path.name}")
+                parameter.copy_(values)
+        return runner
     if variant.weights:
         cache = cache_file(model_dir(model), variant.weights, variant.group_size, runner.device)
         if variant.head != HEAD_WEIGHTS:  # not the file the server loads: name it apart
@@ -446,18 +475,36 @@ def held_out_logits(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Te
     return torch.cat(parts)
 
 
-def bench_quality(model: str, variants: list[Variant], tokens: int, chunk: int, gen_tokens: int) -> None:
+@torch.no_grad()
+def windowed_perplexity(runner: ModelRunner, ids: list[int], context: int, chunks: int, chunk: int) -> float:
+    """llama-perplexity's measure: `chunks` windows of `context` tokens, each a fresh pass, scoring the tokens of its
+    second half (from position context / 2 + 1) given all before them in the window."""
+    nll, scored = 0.0, 0
+    for window in range(chunks):
+        ids_in = ids[window * context : (window + 1) * context]
+        logits = held_out_logits(runner, ids_in, chunk).float()
+        first = context // 2
+        nll += torch.nn.functional.cross_entropy(logits[first:-1], torch.tensor(ids_in[first + 1 :]), reduction="sum").item()
+        scored += context - first - 1
+    return math.exp(nll / scored)
+
+
+def bench_quality(model: str, variants: list[Variant], tokens: int, chunk: int, gen_tokens: int, llama_cpp: Path | None,
+                  context: int, chunks: int) -> None:
     text = inspect.getsource(importlib.import_module(HELD_OUT_MODULE))
     print(f"machine: {machine_line()}\nmodel: {model}; held-out text: the first {tokens} tokens of Lib/{HELD_OUT_MODULE}.py; "
-          f"greedy generations: {len(GENERATION_PROMPTS)} chat prompts x {gen_tokens} tokens\n")
+          f"greedy generations: {len(GENERATION_PROMPTS)} chat prompts x {gen_tokens} tokens; windowed: llama-perplexity's "
+          f"measure, {chunks} windows of {context} tokens of the same file, each scored on its second half\n")
     reference = None
-    print("| precision | perplexity | argmax agrees with first row | greedy generations equal to first row (matching prefix) |")
-    print("|---|---|---|---|")
+    print("| precision | perplexity | windowed perplexity | argmax agrees with first row | greedy generations equal to first row (matching prefix) |")
+    print("|---|---|---|---|---|")
     for variant in variants:
         runner = load_variant(model, variant)
-        ids = runner.tokenizer(text)["input_ids"][:tokens]
+        all_ids = runner.tokenizer(text)["input_ids"]
+        ids = all_ids[:tokens]
         logits = held_out_logits(runner, ids, chunk)
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+        windowed = windowed_perplexity(runner, all_ids, context, chunks, chunk)
         engine = build_engine(Config(), drafter="none", target=runner)
         outputs = [greedy(engine, chat_ids(runner, p), gen_tokens)[0] for p in GENERATION_PROMPTS]
         argmax = logits.argmax(dim=-1)
@@ -466,8 +513,16 @@ def bench_quality(model: str, variants: list[Variant], tokens: int, chunk: int, 
         agree = (argmax == reference[0]).float().mean().item()
         prefixes = [_common_prefix(a, b) for a, b in zip(outputs, reference[1])]
         equal = sum(a == b for a, b in zip(outputs, reference[1]))
-        print(f"| {variant.label} | {nll.exp().item():.3f} | {agree:.4f} | {equal}/{len(outputs)} ({', '.join(map(str, prefixes))}) |", flush=True)
+        print(f"| {variant.label} | {nll.exp().item():.3f} | {windowed:.4f} | {agree:.4f} | {equal}/{len(outputs)} "
+              f"({', '.join(map(str, prefixes))}) |", flush=True)
         del runner, engine, logits
+    if llama_cpp:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as held_out:
+            held_out.write(text)
+            held_out.flush()
+            ppl = llama_perplexity(find_tools(llama_cpp, ("llama-perplexity",)), registry_gguf(model), Path(held_out.name),
+                                   context, chunks, torch.get_num_threads())
+        print(f"| llama.cpp, llama-perplexity on the GGUF file | | {ppl:.4f} | | |")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -499,13 +554,16 @@ def main(argv: list[str] | None = None) -> None:
     for name, help_text in [("decode", "decode tokens/s per precision"), ("quality", "perplexity and greedy agreement")]:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("model")
-        p.add_argument("variants", nargs="+", type=parse_variant, help="bf16, fp32, int8, int4, int4:g64, int4:head=int4")
+        p.add_argument("variants", nargs="+", type=parse_variant, help="file, gguf, bf16, fp32, int8, int4, int4:g64, int4:head=int4")
     sub.choices["decode"].add_argument("--rounds", type=int, default=3)
     sub.choices["decode"].add_argument("--max-tokens", type=int, default=32)
     sub.choices["quality"].add_argument("--tokens", type=int, default=2048)
     # Under vnni.DEQUANTIZE_ROWS, so that the int4 kernel runs as it does when decoding.
     sub.choices["quality"].add_argument("--chunk", type=int, default=64)
     sub.choices["quality"].add_argument("--gen-tokens", type=int, default=48)
+    sub.choices["quality"].add_argument("--llama-cpp", type=Path, default=None, help="also llama-perplexity from this build")
+    sub.choices["quality"].add_argument("--context", type=int, default=512, help="tokens a window of the windowed perplexity")
+    sub.choices["quality"].add_argument("--windows", type=int, default=8, help="windows of the windowed perplexity")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -517,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "decode":
         bench_decode(args.model, args.variants, args.rounds, args.max_tokens)
     else:
-        bench_quality(args.model, args.variants, args.tokens, args.chunk, args.gen_tokens)
+        bench_quality(args.model, args.variants, args.tokens, args.chunk, args.gen_tokens, args.llama_cpp, args.context, args.windows)
 
 
 if __name__ == "__main__":

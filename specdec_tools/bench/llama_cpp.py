@@ -45,7 +45,7 @@ from specdec_core.models.paths import gguf_path
 
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-bench", "llama-server")
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-bench", "llama-server", "llama-perplexity")
 KINDS = ("plain", "speculative", "lookup", "server")  # what LlamaCpp.generate runs
 SERVER_CONTEXT = 16384  # llama-server's KV cache, in tokens: the longest conversation the bench replays fits
 SERVER_START_S = 300  # the longest wait for llama-server to load its model
@@ -155,6 +155,18 @@ def llama_bench(
     if done.returncode:
         raise RuntimeError(f"llama-bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return parse_llama_bench(done.stdout)
+
+
+def llama_perplexity(tools: Path, model: Path, text: Path, context: int, chunks: int, threads: int) -> float:
+    """llama-perplexity's final estimate on `model` over `text`: `chunks` windows of `context` tokens, each scored on
+    its second half (quant_bench's `windowed_perplexity` measures ours the same way)."""
+    cmd = [str(tools / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(context), "--chunks", str(chunks),
+           "-t", str(threads), "-b", str(context)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if done.returncode or not found:
+        raise RuntimeError(f"llama-perplexity failed ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
+    return float(found.group(1))
 
 
 @dataclass
