@@ -2,13 +2,14 @@
 blocks").
 
 Each tensor type maps onto a kernel format (vnni.FORMATS) that holds its codes and scales as they are:
-- Q4_K and Q6_K: the K formats (vnni.pack_super): per 256 inputs the file's float16 d (and dmin), per 32 inputs
-  (Q4_K) or 16 (Q6_K) its integer sub-scales and mins, w = d * sc * q - dmin * m; Q6_K's offset of 32 is a min of
-  32 * sc with dmin = 32 d (exact in float16).
+- Q4_K and Q6_K: the K formats (vnni.pack_super): per 256 inputs the file's float16 d (and dmin), its integer
+  sub-scales and mins as it packs them (Q4_K's 6-bit ones per 32 inputs, Q6_K's int8 ones per 16), w = d * sc * q -
+  dmin * m; Q6_K's offset of 32 is a min of 32 * sc with dmin = 32 d (which the kernel computes, exactly, in
+  float32). Their bytes are the file's.
 - Q4_1: the int4 group format, scale d and min m per 32 inputs (w = d * q + m).
 - Q5_0: the int6 group format with codes 0..31, scale d and min -16 d (w = d * (q - 16)).
 - Q8_0: the int8 group format with codes q + 128, scale d and min -128 d (w = d * q).
-The mins -16 d, -128 d and 32 d are powers of two times a float16, so exact (an overflow is refused). Repacking
+The mins -16 d and -128 d are powers of two times a float16, so exact (an overflow is refused). Repacking
 reads the file's bytes (memory-mapped, with the gguf package) and rearranges them; nothing is rounded.
 """
 
@@ -55,11 +56,8 @@ def repack(data: np.ndarray, qtype: str, rows: int, inputs: int) -> tuple[torch.
     if qtype == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
         blocks = data.reshape(rows, -1, 144)
         d, dmin = _halves(blocks, 0, 2)[..., 0], _halves(blocks, 2, 2)[..., 0]
-        low, mid, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
-        scales = np.concatenate([low & 63, (high & 0x0F) | (low >> 6) << 4], axis=-1)
-        mins = np.concatenate([mid & 63, (high >> 4) | (mid >> 6) << 4], axis=-1)
         codes = _nibbles(blocks[..., 16:].reshape(rows, -1, 4, 32)).reshape(rows, inputs)
-        return vnni.pack_super(t(codes), t(scales.reshape(rows, -1)), t(mins.reshape(rows, -1)), t(d), t(dmin), bits=4)
+        return vnni.pack_super(t(codes), t(blocks[..., 4:16].reshape(rows, -1)), t(d), t(dmin), bits=4)
     if qtype == "Q6_K":  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, d
         blocks = data.reshape(rows, -1, 210)
         low = _nibbles(blocks[..., :128].reshape(rows, -1, 2, 64))  # [rows, S, half, 2, 64]
@@ -67,9 +65,7 @@ def repack(data: np.ndarray, qtype: str, rows: int, inputs: int) -> tuple[torch.
         high = np.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-2)  # [rows, S, half, 4, 32]
         codes = low.reshape(rows, inputs) | high.reshape(rows, inputs) << 4
         scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1)
-        d = _halves(blocks, 208, 2)[..., 0]
-        dmin = _exact_half(d.astype(np.float32) * 32, "Q6_K's 32 d")
-        return vnni.pack_super(t(codes), t(scales), None, t(d), t(dmin), bits=6)
+        return vnni.pack_super(t(codes), t(scales), t(_halves(blocks, 208, 2)[..., 0]), None, bits=6)
     if qtype == "Q4_1":  # d, m, 16 bytes of nibbles
         blocks = data.reshape(rows, -1, 20)
         codes = _nibbles(blocks[..., 4:]).reshape(rows, inputs)

@@ -61,7 +61,7 @@ ROWS_PER_CHUNK = 2048
 # 0.007) for 9-21% more tokens/s; int6 (7 bits a weight with its scales, against int8's 9) costs what int8 does and
 # reads a fifth less; docs/QUANT.md, "The output layer".
 HEAD_WEIGHTS = "int6"
-CACHE_FORMAT = 4  # bump when the cache's layout or quantization math changes
+CACHE_FORMAT = 5  # bump when the cache's layout or quantization math changes
 SCHEME = {  # written into each cache manifest, for whoever reads one
     "int8": "symmetric, one scale per output channel: w = q * scale (torch's kernel); asymmetric per 32 "
     "inputs, float16 scale and min: w = q * scale + min (vnni)",

@@ -61,6 +61,9 @@ struct Simd {
   // 8 bytes, one per lane, as int32 (a K format's sub-scales).
   static I widen(const uint8_t* in) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))); }
   static I widen(const int8_t* in) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))); }
+  // (a >> shift) & mask, and low | high << 4, lane by lane (a K format's 6-bit sub-scales).
+  static I field(I a, int shift, int mask) { return _mm256_and_si256(_mm256_srli_epi32(a, shift), _mm256_set1_epi32(mask)); }
+  static I with_high(I low, I high) { return _mm256_or_si256(low, _mm256_slli_epi32(high, 4)); }
   static void store(float* out, F values) { _mm256_storeu_ps(out, values); }
   // To bf16, rounding to nearest even: the AVX-512 path's integer steps, lane by lane.
   static void store(at::BFloat16* out, F values) {
@@ -198,11 +201,11 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
   constexpr int pairs = min_entries<bits>() / 2;
   const int64_t supers = in.k / kSuper, sums16 = in.k / 16, col = nb * kRows;
   const uint8_t* w = in.w + nb * supers * super_bytes<bits>();
-  const uint16_t* dm = in.sm + nb * supers * 32;
+  const uint16_t* dm = in.sm + nb * supers * super_scales<bits>();
   __m256 acc[tokens][kParts];
   for (int t = 0; t < tokens; ++t)
     for (int p = 0; p < kParts; ++p) acc[t][p] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < supers; ++s, w += super_bytes<bits>(), dm += 32) {
+  for (int64_t s = 0; s < supers; ++s, w += super_bytes<bits>(), dm += super_scales<bits>()) {
     const uint8_t* sub = w + 8 * group_bytes<bits>();
     __m256i tot[tokens][kParts];
     for (int t = 0; t < tokens; ++t)
@@ -254,7 +257,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
         mins[e] = _mm256_or_si256(_mm256_and_si256(entry_min<bits>(sub, 2 * e, p), _mm256_set1_epi32(0xFFFF)),
                                   _mm256_slli_epi32(entry_min<bits>(sub, 2 * e + 1, p), 16));
       }
-      const __m256 d = group_scale(dm, p), dmin = group_min(dm, p);
+      const auto [d, dmin] = super_scale_min<bits>(dm, p);
       for (int t = 0; t < tokens; ++t) {
         const int32_t* sums = in.code_sums + (t0 + t) * sums16 + s * 16;
         __m256i mtot = _mm256_setzero_si256();

@@ -50,6 +50,9 @@ struct Simd {
   // 16 bytes, one per lane, as int32 (a K format's sub-scales).
   static I widen(const uint8_t* in) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))); }
   static I widen(const int8_t* in) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))); }
+  // (a >> shift) & mask, and low | high << 4, lane by lane (a K format's 6-bit sub-scales).
+  static I field(I a, int shift, int mask) { return _mm512_and_si512(_mm512_srli_epi32(a, shift), _mm512_set1_epi32(mask)); }
+  static I with_high(I low, I high) { return _mm512_or_si512(low, _mm512_slli_epi32(high, 4)); }
   static void store(float* out, F values) { _mm512_storeu_ps(out, values); }
   // To bf16, rounding to nearest even (plain AVX-512F, so no bf16 instructions needed).
   static void store(at::BFloat16* out, F values) {
@@ -173,10 +176,10 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
   constexpr int pairs = min_entries<bits>() / 2;
   const int64_t supers = in.k / kSuper, sums16 = in.k / 16;
   const uint8_t* w = in.w + nb * supers * super_bytes<bits>();
-  const uint16_t* dm = in.sm + nb * supers * 32;
+  const uint16_t* dm = in.sm + nb * supers * super_scales<bits>();
   __m512 acc[tokens];
   for (int t = 0; t < tokens; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < supers; ++s, w += super_bytes<bits>(), dm += 32) {
+  for (int64_t s = 0; s < supers; ++s, w += super_bytes<bits>(), dm += super_scales<bits>()) {
     const uint8_t* sub = w + 8 * group_bytes<bits>();
     __m512i tot[tokens];
     for (int t = 0; t < tokens; ++t) tot[t] = _mm512_setzero_si512();
@@ -212,7 +215,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
       mins[p] = _mm512_or_si512(_mm512_and_si512(entry_min<bits>(sub, 2 * p, 0), _mm512_set1_epi32(0xFFFF)),
                                 _mm512_slli_epi32(entry_min<bits>(sub, 2 * p + 1, 0), 16));
     }
-    const __m512 d = group_scale(dm, 0), dmin = group_min(dm, 0);
+    const auto [d, dmin] = super_scale_min<bits>(dm, 0);
     for (int t = 0; t < tokens; ++t) {
       const int32_t* sums = in.code_sums + (t0 + t) * sums16 + s * 16;
       __m512i mtot = _mm512_setzero_si512();

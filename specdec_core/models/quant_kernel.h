@@ -20,11 +20,12 @@
 // each from the bottom. Per group and row, w = q * scale + min (q in 0..2^bits - 1); scale_min is
 // [N/16, K/32, 2, 16] fp16 (16 scales, then 16 mins).
 //
-// A GGUF file's K-quant tensors keep their own super-blocks of 256 inputs (quant.py's GgufLinear): packed is
+// A GGUF file's K-quant tensors keep their own super-blocks of 256 inputs (gguf_blocks.py): packed is
 // [N/16, K/256, lines, 64] uint8, per 16-row block and super-block the 8 groups' codes in the layout above (4 bits
-// for Q4_K, 6 for Q6_K), then 256 bytes of integer sub-scales: Q4_K's sc[8][16] then m[8][16] (uint8, per group of
-// 32 inputs and row), Q6_K's sc[16][16] (int8, per 16 inputs and row, its m the same). scale_min is
-// [N/16, K/256, 2, 16] fp16: d[16] then dmin[16] (Q6_K's dmin is 32 d). Per sub-block s and row,
+// for Q4_K, 6 for Q6_K), then the integer sub-scales as the file holds them, byte b of 16 rows side by side: Q4_K's
+// 12 bytes of 6-bit scales and mins per group of 32 inputs (192 bytes, so its bytes are the file's), Q6_K's 16 int8
+// scales per 16 inputs (256 bytes; its mins are its scales). scale_min is
+// [N/16, K/256, 2, 16] fp16: d[16] then dmin[16] (Q6_K's [N/16, K/256, 1, 16]: d alone, its dmin 32 d). Per sub-block s and row,
 // w = d * sc_s * q - dmin * m_s, the file's value (Q6_K: d * sc_s * (q - 32)). Activations are rounded to int8 per
 // 256 inputs, and the integer sums sum(sc_s * q . a) and sum(m_s * sum(a)) are exact over the whole super-block, so
 // a row takes one float epilogue per 256 inputs (llama.cpp's K-quant dot products take their sums the same way).
@@ -42,19 +43,23 @@
 #include <atomic>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
-constexpr int64_t kRows = 16, kGroup = 32, kAhead = 8, kSuper = 256, kSubScaleBytes = 256;
+constexpr int64_t kRows = 16, kGroup = 32, kAhead = 8, kSuper = 256;
 // A K format's lines of 64 bytes per super-block, packed.size(2): Q4_K's and Q6_K's.
-constexpr int64_t kQ4K = 36, kQ6K = 52;
+constexpr int64_t kQ4K = 35, kQ6K = 52;
 constexpr int kLanes = Simd::kLanes, kVectors = kGroup / kLanes, kParts = kRows / kLanes;
 
 template <int bits>
 constexpr int64_t group_bytes() { return 8 * bits * 64 / 8; }
 // A K format's super-block of one 16-row block: 8 groups' codes, then the sub-scales.
 template <int bits>
-constexpr int64_t super_bytes() { return 8 * group_bytes<bits>() + kSubScaleBytes; }
+constexpr int64_t super_bytes() { return 8 * group_bytes<bits>() + (bits == 4 ? 12 : 16) * kRows; }
+// A K format's float16 scales per super-block of one 16-row block in scale_min: Q4_K's d and dmin, Q6_K's d alone.
+template <int bits>
+constexpr int64_t super_scales() { return bits == 4 ? 32 : 16; }
 
 // f(std::integral_constant<int, count>{}) for a count in 1..most: a pass's row count as a compile-time one.
 template <int most, typename F>
@@ -93,7 +98,7 @@ void prefetch_super_ahead(const uint8_t* w, const uint16_t* dm, int64_t ahead, i
   for (int64_t line = part * super_bytes<bits>() / 8 / 64 * 64; line < (part + 1) * super_bytes<bits>() / 8; line += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(next + line), hint);
   }
-  if (part == 0) _mm_prefetch(reinterpret_cast<const char*>(dm + ahead * 32), hint);
+  if (part == 0) _mm_prefetch(reinterpret_cast<const char*>(dm + ahead * super_scales<bits>()), hint);
 }
 
 template <int bits>
@@ -188,13 +193,13 @@ struct Format {
 
 Format format_of(const torch::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(3) == 64,
-              "packed must be [N/16, K/32, 4 (int4), 6 (int6) or 8 (int8), 64] or [N/16, K/256, 36 (Q4_K) or 52 (Q6_K), 64]");
+              "packed must be [N/16, K/32, 4 (int4), 6 (int6) or 8 (int8), 64] or [N/16, K/256, 35 (Q4_K) or 52 (Q6_K), 64]");
   switch (packed.size(2)) {
     case 4: case 6: case 8: return {static_cast<int>(packed.size(2)), false};
     case kQ4K: return {4, true};
     case kQ6K: return {6, true};
   }
-  TORCH_CHECK(false, "packed has ", packed.size(2), " lines a block: not 4, 6, 8 (int4, int6, int8), 36 (Q4_K) or 52 (Q6_K)");
+  TORCH_CHECK(false, "packed has ", packed.size(2), " lines a block: not 4, 6, 8 (int4, int6, int8), 35 (Q4_K) or 52 (Q6_K)");
 }
 
 // The inputs a packed tensor takes.
@@ -219,21 +224,41 @@ void with_format(const torch::Tensor& packed, F&& f) {
   }
 }
 
-// A K format's integer sub-scales of kLanes rows (part `part` of the block) for sub-block half `half` (inputs
-// 16 half .. 16 half + 15) of group j: Q4_K's per group, Q6_K's per 16 inputs.
+// A K format's d and dmin of kLanes rows (part `part` of the block) for one super-block; Q6_K's dmin is 32 d, exact.
+template <int bits>
+std::pair<typename Simd::F, typename Simd::F> super_scale_min(const uint16_t* dm, int part) {
+  const typename Simd::F d = group_scale(dm, part);
+  return {d, bits == 4 ? group_min(dm, part) : Simd::mul(d, Simd::set1(32.f))};
+}
+
+// Byte b of a K format's sub-scales for kLanes rows (part `part` of the block), each row's in its lane.
+typename Simd::I sub_byte(const uint8_t* sub, int b, int part) { return Simd::widen(sub + 16 * b + part * kLanes); }
+
+// A K format's integer sub-scales of kLanes rows for sub-block half `half` (inputs 16 half .. 16 half + 15) of group j:
+// Q4_K's per group (6 bits: group j < 4 in byte j's low bits, j >= 4 in byte j + 4's low nibble with byte j - 4's
+// top 2 bits above it), Q6_K's per 16 inputs (int8).
 template <int bits>
 typename Simd::I sub_scale(const uint8_t* sub, int j, int half, int part) {
-  if constexpr (bits == 4) return Simd::widen(sub + 16 * j + part * kLanes);
-  else return Simd::widen(reinterpret_cast<const int8_t*>(sub) + 16 * (2 * j + half) + part * kLanes);
+  if constexpr (bits == 4) {
+    if (j < 4) return Simd::field(sub_byte(sub, j, part), 0, 63);
+    return Simd::with_high(Simd::field(sub_byte(sub, j + 4, part), 0, 15), Simd::field(sub_byte(sub, j - 4, part), 6, 3));
+  } else {
+    return Simd::widen(reinterpret_cast<const int8_t*>(sub) + 16 * (2 * j + half) + part * kLanes);
+  }
 }
-// A K format's mins, one entry per 32 inputs (Q4_K: 8 a super-block) or 16 (Q6_K: 16, its sub-scales again), and the
-// activation codes' sum over that entry's inputs (`sums16`: the super-block's 16 sums per 16 inputs).
+// A K format's mins, one entry per 32 inputs (Q4_K: 8 a super-block, 6 bits: entry e < 4 in byte e + 4's low bits,
+// e >= 4 in byte e + 4's high nibble with byte e's top 2 bits above it) or 16 (Q6_K: 16, its sub-scales again), and
+// the activation codes' sum over that entry's inputs (`sums16`: the super-block's 16 sums per 16 inputs).
 template <int bits>
 constexpr int min_entries() { return bits == 4 ? 8 : 16; }
 template <int bits>
 typename Simd::I entry_min(const uint8_t* sub, int e, int part) {
-  if constexpr (bits == 4) return Simd::widen(sub + 128 + 16 * e + part * kLanes);
-  else return Simd::widen(reinterpret_cast<const int8_t*>(sub) + 16 * e + part * kLanes);
+  if constexpr (bits == 4) {
+    if (e < 4) return Simd::field(sub_byte(sub, e + 4, part), 0, 63);
+    return Simd::with_high(Simd::field(sub_byte(sub, e + 4, part), 4, 15), Simd::field(sub_byte(sub, e, part), 6, 3));
+  } else {
+    return Simd::widen(reinterpret_cast<const int8_t*>(sub) + 16 * e + part * kLanes);
+  }
 }
 template <int bits>
 int32_t entry_sum(const int32_t* sums16, int e) { return bits == 4 ? sums16[2 * e] + sums16[2 * e + 1] : sums16[e]; }
@@ -258,7 +283,7 @@ torch::Tensor dequantize_t(const torch::Tensor& packed, const torch::Tensor& sca
         const int64_t s = g / 8, j = g % 8;  // a K format's super-block, and the group in it
         const uint8_t* block = w + nb * block_bytes;
         const uint8_t* codes = super ? block + s * super_bytes<bits>() + j * group_bytes<bits>() : block + g * group_bytes<bits>();
-        const uint16_t* group_sm = sm + (nb * packed.size(1) + (super ? s : g)) * 32;
+        const uint16_t* group_sm = sm + (nb * packed.size(1) + (super ? s : g)) * (super ? super_scales<bits>() : 32);
         for (int part = 0; part < kParts; ++part) {
           typename Simd::I op[8];
           Simd::template operands<bits>(codes, part, op);
@@ -267,8 +292,9 @@ torch::Tensor dequantize_t(const torch::Tensor& packed, const torch::Tensor& sca
             if constexpr (super) {  // d * sc and -(dmin * m): exact
               const uint8_t* sub = block + s * super_bytes<bits>() + 8 * group_bytes<bits>();
               const int e = bits == 4 ? j : 2 * j + i / 4;
-              scale = Simd::mul(scale, Simd::to_float(sub_scale<bits>(sub, j, i / 4, part)));
-              min = Simd::mul(Simd::mul(min, Simd::to_float(entry_min<bits>(sub, e, part))), Simd::set1(-1.f));
+              const auto [d, dmin] = super_scale_min<bits>(group_sm, part);
+              scale = Simd::mul(d, Simd::to_float(sub_scale<bits>(sub, j, i / 4, part)));
+              min = Simd::mul(Simd::mul(dmin, Simd::to_float(entry_min<bits>(sub, e, part))), Simd::set1(-1.f));
             }
             for (int jj = 0; jj < 4; ++jj) {  // lane r of the 32-bit view: row r's codes for inputs 4i..4i+3
               const F value = Simd::fmadd(Simd::to_float(Simd::byte(op[i], jj)), scale, min);

@@ -39,7 +39,7 @@ GROUP_SIZE = 32  # inputs per scale and min; fixed by the kernel
 ROWS = 16  # output rows per block: one AVX-512 register of int32 sums
 SUPER_BLOCK = 256  # a GGUF K-quant's inputs per float scale: a K format's block along the inputs (quant_kernel.h)
 # packed.size(2) of each format: our group formats' code widths, and the K formats' 64-byte lines per super-block.
-FORMATS = {4: "int4", 6: "int6", 8: "int8", 36: "q4_k", 52: "q6_k"}
+FORMATS = {4: "int4", 6: "int6", 8: "int8", 35: "q4_k", 52: "q6_k"}
 
 
 @dataclass(frozen=True)
@@ -304,29 +304,26 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -
     return _pack_codes(q, bits), _per_block(scales, mins)
 
 
-def pack_super(q: torch.Tensor, sub_scales: torch.Tensor, sub_mins: torch.Tensor | None, d: torch.Tensor, dmin: torch.Tensor,
-               bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF K-quant in the kernel's K format (quant_kernel.h): codes q [N, K] (4 bits: Q4_K, 6: Q6_K), integer
-    sub-scales [N, K / 32] (Q4_K, with its mins [N, K / 32]) or [N, K / 16] int8 (Q6_K, whose mins are its sub-scales:
-    sub_mins None), d and dmin [N, K / 256] (w = d * sc * q - dmin * m): packed [N/16, K/256, 36 or 52, 64] uint8 and
-    scale_min [N/16, K/256, 2, 16] float16."""
+def pack_super(q: torch.Tensor, sub_scales: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor | None, bits: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF K-quant in the kernel's K format (quant_kernel.h): codes q [N, K] (4 bits: Q4_K, 6: Q6_K), the file's
+    sub-scale bytes [N, K / 256 * e] (Q4_K's 12 bytes of 6-bit scales and mins, Q6_K's 16 int8 scales), and float16 d
+    and dmin [N, K / 256] (w = d * sc * q - dmin * m; Q6_K: None, its dmin 32 d): packed [N/16, K/256, 35 or 52, 64]
+    uint8 and scale_min [N/16, K/256, 2 (Q6_K: 1), 16] float16."""
     n, k = q.shape
     supers = k // SUPER_BLOCK
     codes = _pack_codes(q, bits).reshape(n // ROWS, supers, -1)
-
-    def by_block(values: torch.Tensor) -> torch.Tensor:  # [N, S * e] -> [N/16, S, e * 16] bytes: entry-major, then row
-        return values.to(torch.int8 if values.dtype == torch.int8 else torch.uint8).view(torch.uint8).reshape(
-            n // ROWS, ROWS, supers, -1).permute(0, 2, 3, 1).reshape(n // ROWS, supers, -1)
-
-    subs = [by_block(sub_scales)] + ([by_block(sub_mins)] if sub_mins is not None else [])
-    packed = torch.cat([codes, *subs], dim=2)
-    return packed.reshape(n // ROWS, supers, -1, 64).contiguous(), _per_block(d, dmin)
+    # Byte b of 16 rows side by side: [N, S * e] -> [N/16, S, e * 16].
+    subs = sub_scales.contiguous().view(torch.uint8).reshape(n // ROWS, ROWS, supers, -1).permute(0, 2, 3, 1)
+    packed = torch.cat([codes, subs.reshape(n // ROWS, supers, -1)], dim=2)
+    return packed.reshape(n // ROWS, supers, -1, 64).contiguous(), _per_block(d, *([] if dmin is None else [dmin]))
 
 
-def _per_block(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """Float16 scales and mins [N, B] (one per row and block of inputs) as [N/16, B, 2, 16]."""
-    n, blocks = scales.shape
-    per_group = torch.stack([scales.half(), mins.half()]).view(2, n // ROWS, ROWS, blocks)
+def _per_block(*fields: torch.Tensor) -> torch.Tensor:
+    """Float16 fields [N, B] (one per row and block of inputs: scales and mins, or a Q6_K's d alone) as
+    [N/16, B, fields, 16]."""
+    n, blocks = fields[0].shape
+    per_group = torch.stack([field.half() for field in fields]).view(len(fields), n // ROWS, ROWS, blocks)
     return per_group.permute(1, 3, 0, 2).contiguous()
 
 
