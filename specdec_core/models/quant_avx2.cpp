@@ -219,6 +219,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
       __m256i dot[tokens][kParts][2];  // VNNI: int32 per half; AVX2: int16 pair sums since the last widening
       for (int t = 0; t < tokens; ++t)
         for (int p = 0; p < kParts; ++p) dot[t][p][0] = dot[t][p][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // dot[t][p][i / 4] indexed at compile time, in registers
       for (int i = 0; i < 8; ++i) {
         __m256i op[kParts];
         for (int p = 0; p < kParts; ++p) op[p] = Simd::operand<bits>(codes, p, i);
