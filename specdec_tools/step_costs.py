@@ -315,6 +315,9 @@ def measure(args) -> dict:
         if "eager" in passes else None,
         "prefill_tokens_per_s": prefills, "warm_up_s": warm_up_s, "chunk_costs": chunks,
     }
+    if not args.shapes and vnni.extension() is not None:
+        result["read"] = read_rate(target, args.reps)
+        result["read"]["step_over_read"] = passes[steps[0]][lengths[0]] / result["read"]["ms"]
     if llama_cpp:
         result["llama_cpp"], prefills["llama.cpp"] = llama_cpp_rows(*llama_cpp, lengths, prefill_lengths, args.reps)
     if args.acceptance:
@@ -325,6 +328,31 @@ def measure(args) -> dict:
         }
     result["measure_s"] = time.perf_counter() - start
     return result
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a one-token step reads of `model`'s weights: every parameter and buffer once (tied ones once), but the
+    token embeddings, of which a step reads one row."""
+    embedding = {t.data_ptr() for t in model.get_input_embeddings().parameters()}
+    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()] if t.data_ptr() not in embedding}
+    return sum(tensors.values())
+
+
+def read_rate(target: ModelRunner, reps: int) -> dict:
+    """The time to read the bytes of the target's one-token step at this machine's rate: the kernel's read loop
+    (vnni.read_all) over a buffer of that many bytes, on the passes' threads, the median of `reps` reads."""
+    nbytes = weight_bytes(target.model) // 64 * 64
+    buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    kernel = vnni.extension()
+    kernel.read_all(buffer)  # the pages in
+    seconds = []
+    for _ in range(max(reps, 3)):
+        start = time.perf_counter()
+        kernel.read_all(buffer)
+        seconds.append(time.perf_counter() - start)
+    ms = 1e3 * statistics.median(seconds)
+    return {"label": "a 2-thread read of the step's weight bytes, nothing else (vnni.read_all)", "bytes": nbytes, "ms": ms,
+            "gb_per_s": nbytes / ms / 1e6}
 
 
 def priced(costs: Path, acceptance: Path) -> dict:

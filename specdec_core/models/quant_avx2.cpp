@@ -90,6 +90,8 @@ struct Simd {
   static void operands(const uint8_t* w, int part, I op[8]) {
     for (int i = 0; i < 8; ++i) op[i] = operand<bits>(w, part, i);
   }
+  static I load_operand(const uint8_t* at) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(at)); }
+  static void store_operand(uint8_t* at, I op) { _mm256_store_si256(reinterpret_cast<__m256i*>(at), op); }
   // Operand i of one group for one part: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk
   // c; int6 adds bits 2(i % 4) and 2(i % 4) + 1 of chunk 4 + i / 4 as the code's bits 4 and 5.
   template <int bits>
@@ -196,8 +198,8 @@ __m256i twice(__m256i lanes) { return _mm256_or_si256(_mm256_and_si256(lanes, _m
 // the sub-scales (vpmulld); on AVX2, `vpmaddubsw`'s int16 pair sums (Q4_K's 8 operands, Q6_K's 2: at most 30,480 and
 // 32,004) widened by `vpmaddwd` with the sub-scale itself. Per super-block the mins, two entries a lane as int16,
 // times the activations' sums (`vpmaddwd`); then one float epilogue. The same integers as AVX-512's.
-template <int bits, int tokens, typename Epilogue>
-void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
+template <int bits, int tokens, Codes source, typename Epilogue>
+void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, const Epilogue& epilogue) {
   constexpr int pairs = min_entries<bits>() / 2;
   const int64_t supers = in.k / kSuper, sums16 = in.k / 16, col = nb * kRows;
   const uint8_t* w = in.w + nb * supers * super_bytes<bits>();
@@ -211,7 +213,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
     for (int t = 0; t < tokens; ++t)
       for (int p = 0; p < kParts; ++p) tot[t][p] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      prefetch_super<bits>(w, dm, j);
+      if (source != Codes::kUnpacked) prefetch_super<bits>(w, dm, j);
       const uint8_t* codes = w + j * group_bytes<bits>();
       __m256i scale[2][kParts];  // per half of the group (Q4_K: both the same)
       for (int h = 0; h < 2; ++h)
@@ -222,7 +224,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
 #pragma GCC unroll 8  // dot[t][p][i / 4] indexed at compile time, in registers
       for (int i = 0; i < 8; ++i) {
         __m256i op[kParts];
-        for (int p = 0; p < kParts; ++p) op[p] = Simd::operand<bits>(codes, p, i);
+        for (int p = 0; p < kParts; ++p) op[p] = super_operand<bits, source>(codes, kept, s, j, i, p);
         for (int t = 0; t < tokens; ++t) {
           int32_t four;
           std::memcpy(&four, in.codes + (t0 + t) * in.k + s * kSuper + j * kGroup + 4 * i, 4);

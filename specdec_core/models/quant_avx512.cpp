@@ -73,6 +73,10 @@ struct Simd {
   static void operands(const uint8_t* w, int, I op[8]) {
     for (int i = 0; i < 8; ++i) op[i] = operand<bits>(w, i);
   }
+  template <int bits>
+  static I operand(const uint8_t* w, int, int i) { return operand<bits>(w, i); }  // the one part of a block
+  static I load_operand(const uint8_t* at) { return _mm512_load_si512(at); }
+  static void store_operand(uint8_t* at, I op) { _mm512_store_si512(at, op); }
   // Operand i: int4 operands 2c and 2c + 1 are the low and high nibbles of 64-byte chunk c; int6 adds
   // bits 2(i % 4) and 2(i % 4) + 1 of chunk 4 + i / 4 as the code's bits 4 and 5.
   template <int bits>
@@ -170,8 +174,8 @@ void vnni_pass(const PassInputs& in, const Epilogue& e) {
 // A K format (quant_kernel.h): `tokens` (<= kTokens) activation rows from t0, one 16-row block. Per group the codes'
 // sums per 16 inputs (vpdpbusd) times their integer sub-scales (vpmulld) add up over the super-block; per super-block
 // the mins, two entries a lane as int16, times the activations' sums (vpdpwssd); then one float epilogue.
-template <int bits, int tokens, typename Epilogue>
-void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue) {
+template <int bits, int tokens, Codes source, typename Epilogue>
+void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, const Epilogue& epilogue) {
   constexpr int chains = tokens == 1 ? 2 : 1;  // per 16 inputs: a one-row pass splits its chains, as `block` does
   constexpr int pairs = min_entries<bits>() / 2;
   const int64_t supers = in.k / kSuper, sums16 = in.k / 16;
@@ -184,7 +188,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
     __m512i tot[tokens];
     for (int t = 0; t < tokens; ++t) tot[t] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      prefetch_super<bits>(w, dm, j);
+      if (source != Codes::kUnpacked) prefetch_super<bits>(w, dm, j);
       const uint8_t* codes = w + j * group_bytes<bits>();
       __m512i dot[tokens][2][chains];
       for (int t = 0; t < tokens; ++t)
@@ -192,7 +196,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& e
           for (int c = 0; c < chains; ++c) dot[t][h][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8  // else dot[t][i / 4] is indexed at run time and lives in memory: 8-row passes took 2x the time
       for (int i = 0; i < 8; ++i) {
-        const __m512i op = Simd::operand<bits>(codes, i);
+        const __m512i op = super_operand<bits, source>(codes, kept, s, j, i, 0);
         for (int t = 0; t < tokens; ++t) {
           int32_t four;
           std::memcpy(&four, in.codes + (t0 + t) * in.k + s * kSuper + j * kGroup + 4 * i, 4);

@@ -41,6 +41,8 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <memory>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -349,19 +351,49 @@ struct PassInputs {
 // rows reads (AMX's A tiles read whole tiles, so the codes are padded with zero rows).
 template <int bits, typename Epilogue>
 void pass(const PassInputs& in, bool tiles, const Epilogue& epilogue);
-template <int bits, int tokens, typename Epilogue>
-void super_block(const PassInputs& in, int64_t t0, int64_t nb, const Epilogue& epilogue);
+// Where a K format's register block of rows reads a group's operands: unpacked from the packed weights (a pass of one
+// register block); unpacked and kept in the thread's buffer (a longer pass's first); or read back from it (its later
+// ones, so that a pass unpacks each block's codes once for all its rows).
+enum class Codes { kPacked, kUnpack, kUnpacked };
+
+// Operand i of group j of super-block s, part `part` of the block, from `codes` (the group's packed codes) or `kept`
+// (the block's unpacked operands: 64 bytes an operand, groups in order).
+template <int bits, Codes source>
+typename Simd::I super_operand(const uint8_t* codes, uint8_t* kept, int64_t s, int j, int i, int part) {
+  const auto at = [&] { return kept + ((s * 8 + j) * 8 + i) * 64 + part * 64 / kParts; };
+  if constexpr (source == Codes::kUnpacked) return Simd::load_operand(at());
+  const typename Simd::I op = Simd::template operand<bits>(codes, part, i);
+  if constexpr (source == Codes::kUnpack) Simd::store_operand(at(), op);
+  return op;
+}
+
+template <int bits, int tokens, Codes source, typename Epilogue>
+void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, const Epilogue& epilogue);
 int64_t padded_rows(int64_t m, bool tiles);
 
 // A K format's pass: its blocks of 16 rows over the threads, Simd::kSuperTokens activation rows a register block
-// (the ISA's `super_block`).
+// (the ISA's `super_block`); a pass of more rows unpacks each block's codes once, into a buffer its later register
+// blocks read (a Q6_K operand takes six instructions to unpack, one to load).
 template <int bits, typename Epilogue>
 void super_pass(const PassInputs& in, const Epilogue& epilogue) {
   constexpr int64_t most = Simd::kSuperTokens;
+  const bool keep = in.m > most;
+  const int64_t kept_bytes = keep ? in.k / kSuper * 8 * 8 * 64 : 0;
   at::parallel_for(0, in.n / kRows, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<uint8_t, decltype(&std::free)> kept(
+        static_cast<uint8_t*>(keep ? std::aligned_alloc(64, kept_bytes) : nullptr), &std::free);
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t t0 = 0; t0 < in.m; t0 += most) {
-        with_count<most>(std::min(most, in.m - t0), [&](auto tokens) { super_block<bits, decltype(tokens)::value>(in, t0, nb, epilogue); });
+        with_count<most>(std::min(most, in.m - t0), [&](auto tokens) {
+          constexpr int count = decltype(tokens)::value;
+          if (!keep) {
+            super_block<bits, count, Codes::kPacked>(in, t0, nb, kept.get(), epilogue);
+          } else if (t0 == 0) {
+            super_block<bits, count, Codes::kUnpack>(in, t0, nb, kept.get(), epilogue);
+          } else {
+            super_block<bits, count, Codes::kUnpacked>(in, t0, nb, kept.get(), epilogue);
+          }
+        });
       }
     }
   });
@@ -429,6 +461,25 @@ torch::Tensor group_sums(const torch::Tensor& x, const torch::Tensor& packed, co
   return out;
 }
 
+// Every byte of `bytes` read once, two threads' shares at a time, nothing else: the machine's read rate, the bound a
+// one-token step's weights are read at (step_costs compares the step with it). The XOR is returned so that the reads
+// stay.
+int64_t read_all(const torch::Tensor& bytes) {
+  TORCH_CHECK(bytes.is_contiguous() && bytes.nbytes() % 64 == 0, "bytes must be contiguous, a multiple of 64 bytes");
+  const auto* words = reinterpret_cast<const uint64_t*>(bytes.data_ptr());
+  const int64_t count = bytes.nbytes() / 8;
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, count / 8, 4096, [&](int64_t begin, int64_t end) {
+    uint64_t lanes[8] = {};
+    for (int64_t at = begin * 8; at < end * 8; at += 8)
+      for (int lane = 0; lane < 8; ++lane) lanes[lane] ^= words[at + lane];
+    uint64_t folded = 0;
+    for (uint64_t lane : lanes) folded ^= lane;
+    total.fetch_xor(folded, std::memory_order_relaxed);
+  });
+  return static_cast<int64_t>(total.load());
+}
+
 }  // namespace
 
 #include "step_ops.h"
@@ -442,4 +493,5 @@ torch::Tensor group_sums(const torch::Tensor& x, const torch::Tensor& packed, co
   module.def("set_far_prefetch", [](int64_t groups) { far_ahead.store(groups, std::memory_order_relaxed); },           \
              "groups of weights prefetched into L2 beyond the near prefetch, 0 for none (the same bits)");           \
   module.def("far_prefetch", [] { return far_ahead.load(std::memory_order_relaxed); }, "set_far_prefetch's value");   \
+  module.def("read_all", &read_all, "every byte read once on the threads, nothing else (the machine's read rate)");     \
   STEP_OPS_MODULE(module)
