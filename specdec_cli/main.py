@@ -96,8 +96,8 @@ def pull_command(args: argparse.Namespace) -> int:
     from specdec_core.models.registry import pull
 
     for name in args.names:
-        try:
-            print(pull(name))
+        try:  # gguf weights read the GGUF itself: no bf16 conversion
+            print(pull(name, float_weights=args.weights != "gguf"))
         except RegistryError as error:
             print(f"specdec: error: {error}", file=sys.stderr)
             return 1
