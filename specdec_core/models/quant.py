@@ -4,8 +4,9 @@ Decoding one token streams every weight from memory, so the bytes per weight set
 (DESIGN.md, "Why it works"). These layers keep activations in the model's dtype and store weights
 as int8 or int4 codes; the kernels:
 
-- On a CPU with AVX2 or AVX-512 VNNI, ours (vnni.py, `VnniLinear`): int4 or int8 codes with a float16
-  scale and min per 32 inputs, times activations rounded to int8 per 32 inputs.
+- On a CPU with AVX2 or AVX-512 VNNI, ours (vnni.py, `VnniLinear`): int4, int6 or int8 codes with a float16
+  scale and min per 32 inputs, times activations rounded to int8 per 32 inputs; or a GGUF file's own blocks
+  (`weights: gguf`, gguf_blocks.py), its K-quants in super-blocks of 256 inputs.
 - Elsewhere torch's: int8 with one scale per output channel, `aten._weight_int8pack_mm` (CPU,
   CUDA, MPS, XPU); int4 with a scale and zero per `group_size` inputs,
   `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU,

@@ -10,7 +10,8 @@ short prefills) with `tdpbsud` on AMX tiles where the CPU has them and they are 
 start; one Xeon's tiles lost to VNNI, another's win from 12 rows; docs/QUANT.md has the costs). Every path
 computes bit-identical results, so a row's result never depends on the pass, nor on the CPU.
 Weights are group-wise, w = q * scale + min per 32 inputs, in one packed layout for every family
-(named after VNNI's operands). A family is compiled once per machine with torch's extension builder
+(named after VNNI's operands); a GGUF file's K-quants keep their super-blocks of 256 inputs with integer
+sub-scales (the K formats, quant_kernel.h; activations rounded to int8 per 256 inputs for them). A family is compiled once per machine with torch's extension builder
 (g++ and ninja; about a minute); where no family runs, `quant.Int4Linear` / `quant.Int8Linear` keep
 torch's kernels.
 """
