@@ -50,6 +50,7 @@ from specdec_core.sequence import Sequence
 from . import measurement
 from .bench.llama_cpp import find_tools, llama_bench, registry_gguf
 from .bench.results import decoded_tokens
+from .quant_bench import model_bytes
 
 # The registry models' architectures (their config.json), for --shapes: what a pass's cost depends on.
 QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
@@ -330,18 +331,11 @@ def measure(args) -> dict:
     return result
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a one-token step reads of `model`'s weights: every parameter and buffer once (tied ones once), but the
-    token embeddings, of which a step reads one row."""
-    embedding = {t.data_ptr() for t in model.get_input_embeddings().parameters()}
-    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()] if t.data_ptr() not in embedding}
-    return sum(tensors.values())
-
-
 def read_rate(target: ModelRunner, reps: int) -> dict:
     """The time to read the bytes of the target's one-token step at this machine's rate: the kernel's read loop
     (vnni.read_all) over a buffer of that many bytes, on the passes' threads, the median of `reps` reads."""
-    nbytes = weight_bytes(target.model) // 64 * 64
+    # Every weight once, but the token embeddings, of which a step reads one row.
+    nbytes = (model_bytes(target.model) - model_bytes(target.model.get_input_embeddings())) // 64 * 64
     buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     kernel = vnni.extension()
     kernel.read_all(buffer)  # the pages in

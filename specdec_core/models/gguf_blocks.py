@@ -117,9 +117,6 @@ class GgufFile:
             name = "token_embd"
         return f"{name}.weight"
 
-    def tensor_type(self, module: str, tied_head: bool = False) -> str:
-        return GGMLQuantizationType(self.tensors[self.tensor_name(module, tied_head)].tensor_type).name
-
     def _rows(self, tensor) -> np.ndarray:
         """A tensor's rows in transformers' order: llama.cpp's converter interleaves the rows of a LLaMA model's q and k
         for its rotary embedding, and they are put back here, whole rows, as transformers' own GGUF loader does."""

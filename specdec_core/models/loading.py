@@ -15,7 +15,7 @@ from . import attention
 from .catalogue import REGISTRY
 from .gguf_blocks import GgufFile
 from .paths import gguf_path, model_dir
-from .quant import DEFAULT_GROUP_SIZE, GGUF, PACKED, cache_file, quantize_model
+from .quant import DEFAULT_GROUP_SIZE, GGUF, QUANTIZED, cache_file, quantize_model
 from .runner import DTYPES, ModelRunner, load_model, resolve_device, set_threads
 from .static_runner import on_step
 from .tiny import is_tiny, tiny_model, tiny_tokenizer
@@ -37,14 +37,13 @@ def load_runner(name: str, model: ModelConfig) -> ModelRunner:
     if model.weights == GGUF and name not in REGISTRY:
         raise ValueError(f"model.weights: gguf serves a registry model's GGUF file; {name!r} is not one (see `specdec "
                          "models`): use weights: int4 or int8")
-    runner = _load_float_runner(name, model)
-    if model.weights in PACKED:
+    runner = _load_float_runner(name, model)  # gguf weights: the file's layers already (_gguf_runner)
+    if model.weights in QUANTIZED:
         # Only registry models' directories are ours to write into; others are quantized on every start.
         directory = registry_dir(name)
         cache = cache_file(directory, model.weights, DEFAULT_GROUP_SIZE, runner.device) if directory else None
-        if model.weights != GGUF:  # _gguf_runner's layers are the file's already
-            # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
-            quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
+        # After ModelRunner(): it reads the vocabulary size from the float output layer's weight.
+        quantize_model(runner.model, model.weights, DEFAULT_GROUP_SIZE, cache)
     # Each output row of the quantized CPU kernels is its own dot products; float GEMMs block by the row count.
     quantized = runner.device.type == "cpu" and not any(isinstance(m, nn.Linear) for m in runner.model.modules())
     runner.row_invariant = quantized and attention.takes(runner.model.config, runner.dtype) and attention.extension() is not None

@@ -452,8 +452,8 @@ def quantize_model(
     replaced layer's precision by name.
 
     `weights` is one of PACKED: int4 or int8 quantize the float weights; gguf takes each layer's blocks from the
-    GGUF file `gguf` the model was converted from (every value the file's; a tensor type without a kernel format
-    falls back to int8 of the float weights, logged).
+    GGUF file `gguf` (every value the file's; a tensor type without a kernel format falls back to int8 of the file's
+    values, logged).
     `head_weights` is the output layer's precision (one of PRECISIONS; another name leaves it float); None:
     HEAD_WEIGHTS on our kernel, int8 on torch's. gguf weights take the file's head too.
     With `cache_path`, packed weights made from the same float weights with the same settings are

@@ -270,10 +270,10 @@ int32_t entry_sum(const int32_t* sums16, int e) { return bits == 4 ? sums16[2 * 
 // its exact value rounded once (one fmadd: a group format's q * scale + min; a K format's q * (d * sc) - dmin * m, both
 // products exact in float32), as the gguf package's dequantization gives a GGUF tensor's values.
 template <typename Out, int bits, bool super>
-torch::Tensor dequantize_t(const torch::Tensor& packed, const torch::Tensor& scale_min, torch::ScalarType dtype) {
+torch::Tensor dequantize_t(const torch::Tensor& packed, const torch::Tensor& scale_min) {
   const int64_t groups = inputs_of(packed) / kGroup, k = groups * kGroup, n = packed.size(0) * kRows;
   const int64_t block_bytes = super ? packed.size(1) * super_bytes<bits>() : groups * group_bytes<bits>();
-  torch::Tensor out = torch::empty({k, n}, dtype);
+  torch::Tensor out = torch::empty({k, n}, c10::CppTypeToScalarType<Out>::value);
   auto* dst = out.data_ptr<Out>();
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
@@ -289,14 +289,18 @@ torch::Tensor dequantize_t(const torch::Tensor& packed, const torch::Tensor& sca
         for (int part = 0; part < kParts; ++part) {
           typename Simd::I op[8];
           Simd::template operands<bits>(codes, part, op);
+          // A group format's scale and min; a K format's d and dmin (Q6_K's scale_min holds d alone).
+          const auto [block_scale, block_min] = [&] {
+            if constexpr (super) return super_scale_min<bits>(group_sm, part);
+            else return std::pair{group_scale(group_sm, part), group_min(group_sm, part)};
+          }();
           for (int i = 0; i < 8; ++i) {
-            F scale = group_scale(group_sm, part), min = group_min(group_sm, part);
+            F scale = block_scale, min = block_min;
             if constexpr (super) {  // d * sc and -(dmin * m): exact
               const uint8_t* sub = block + s * super_bytes<bits>() + 8 * group_bytes<bits>();
               const int e = bits == 4 ? j : 2 * j + i / 4;
-              const auto [d, dmin] = super_scale_min<bits>(group_sm, part);
-              scale = Simd::mul(d, Simd::to_float(sub_scale<bits>(sub, j, i / 4, part)));
-              min = Simd::mul(Simd::mul(dmin, Simd::to_float(entry_min<bits>(sub, e, part))), Simd::set1(-1.f));
+              scale = Simd::mul(block_scale, Simd::to_float(sub_scale<bits>(sub, j, i / 4, part)));
+              min = Simd::mul(Simd::mul(block_min, Simd::to_float(entry_min<bits>(sub, e, part))), Simd::set1(-1.f));
             }
             for (int jj = 0; jj < 4; ++jj) {  // lane r of the 32-bit view: row r's codes for inputs 4i..4i+3
               const F value = Simd::fmadd(Simd::to_float(Simd::byte(op[i], jj)), scale, min);
@@ -421,13 +425,11 @@ Linear<T> linear_into(const Quantized& q, torch::Tensor& out) {
 }
 
 torch::Tensor dequantize_weights_t(const torch::Tensor& packed, const torch::Tensor& scale_min, bool float32) {
-  const torch::ScalarType out_type = float32 ? torch::kFloat : torch::kBFloat16;
   torch::Tensor out;
   with_format(packed, [&](auto bits, auto super) {
     constexpr int b = decltype(bits)::value;
     constexpr bool s = decltype(super)::value;
-    out = out_type == torch::kFloat ? dequantize_t<float, b, s>(packed, scale_min, out_type)
-                                    : dequantize_t<at::BFloat16, b, s>(packed, scale_min, out_type);
+    out = float32 ? dequantize_t<float, b, s>(packed, scale_min) : dequantize_t<at::BFloat16, b, s>(packed, scale_min);
   });
   return out;
 }

@@ -11,8 +11,8 @@ start; one Xeon's tiles lost to VNNI, another's win from 12 rows; docs/QUANT.md 
 computes bit-identical results, so a row's result never depends on the pass, nor on the CPU.
 Weights are group-wise, w = q * scale + min per 32 inputs, in one packed layout for every family
 (named after VNNI's operands); a GGUF file's K-quants keep their super-blocks of 256 inputs with integer
-sub-scales (the K formats, quant_kernel.h; activations rounded to int8 per 256 inputs for them). A family is compiled once per machine with torch's extension builder
-(g++ and ninja; about a minute); where no family runs, `quant.Int4Linear` / `quant.Int8Linear` keep
+sub-scales (the K formats, quant_kernel.h; activations rounded to int8 per 256 inputs for them). A family is
+compiled once per machine with torch's extension builder (g++ and ninja; about a minute); where no family runs, `quant.Int4Linear` / `quant.Int8Linear` keep
 torch's kernels.
 """
 
