@@ -12,10 +12,20 @@ import sys
 import time
 from pathlib import Path
 
+from specdec_tools.bench.results import cpu_info
 from specdec_tools.bench.prompts import DEFAULT_PROMPTS, load_prompts, stratified
+from specdec_tools.bench.workloads import workloads
+
+SINGLE_TURN_WORKLOADS = ("code-edit",)  # bench workloads of one request each, sent without a schema
+
+
+def workload_prompts(name: str) -> list[str]:
+    """Every request of a single-turn bench workload, in its order."""
+    sessions = workloads(DEFAULT_PROMPTS)[name].sessions(10**6)
+    return [next(session()).text for session in sessions]
 
 from .report import markdown, plot
-from .runner import Load, Target, parse_target, sweep
+from .runner import Load, Target, level_prompts, parse_target, sweep
 
 
 def _numbers(text: str) -> list[float]:
@@ -47,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with Spec-Bench's 'turns' (first turn used) or 'prompt'")
+    p.add_argument("--workload", choices=SINGLE_TURN_WORKLOADS,
+                   help="send this bench workload's requests instead of --prompts' (code-edit: 20 functions to change)")
+    p.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts of the file's round-robin order: "
+                   "a second run on the same server sends prompts the first did not (the report names the next offset)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' to every target (default: $SPECDEC_API_KEY)")
     p.add_argument("--out", type=Path, default=Path("bench-out/loadtest"), help="where results.json, report.md, latency.png go")
@@ -62,8 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"loadtest: --baseline {args.baseline!r} is none of {labels}")
     mode, values = ("rate", args.rate) if args.rate else ("concurrency", args.concurrency or [1, 2, 4, 8])
     loads = [Load(mode, v, args.requests, args.duration) for v in values]
+    if args.prompt_offset < 0:
+        sys.exit(f"loadtest: --prompt-offset must be 0 or more, got {args.prompt_offset}")
     # Round-robin over Spec-Bench's categories, so a short level still mixes writing, code, maths, ...
-    prompts = [p.text for p in stratified(load_prompts(args.prompts), args.requests)]
+    if args.workload:
+        pool = workload_prompts(args.workload)
+    else:
+        every_prompt = load_prompts(args.prompts)
+        pool = [p.text for p in stratified(every_prompt, len(every_prompt))]
+    prompts = level_prompts(pool, len(loads), args.requests, args.prompt_offset)
 
     def progress(level: dict) -> None:
         print(f"{level['target']} {mode}={level['level']:g}: {level['ok']}/{level['sent']} ok, "
@@ -71,19 +92,23 @@ def main(argv: list[str] | None = None) -> int:
 
     started, load_before = time.time(), os.getloadavg()
     levels = asyncio.run(
-        sweep(args.url, loads, prompts, args.max_tokens, args.temperature, args.timeout, args.api_key, progress)
+        sweep(args.url, loads, prompts.per_level, args.max_tokens, args.temperature, args.timeout, args.api_key, progress)
     )
     command = "python -m loadtest " + shlex.join(argv if argv is not None else sys.argv[1:])
-    table = markdown(levels, args.baseline)
+    table = markdown(levels, args.baseline) + "\n" + prompts.summary() + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
         "command": command,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         # Other work on the machine moves every figure: its load average before and after says how much.
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": [load_before, os.getloadavg()]},
+        "machine": {**cpu_info(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_average": [load_before, os.getloadavg()]},
         "targets": {t.label: t.url for t in args.url},
+        "baseline": args.baseline,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
+        "prompts": {"source": args.workload or args.prompts, "offset": args.prompt_offset, "next_offset": prompts.next_offset,
+                    "repeated": prompts.repeated},
         "levels": levels,
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import json
 import random
 import socket
@@ -84,6 +83,37 @@ def summarize(
     }
 
 
+@dataclass(frozen=True)
+class LevelPrompts:
+    """The prompts each level sends: a slice of the file's order no earlier level (or run with a smaller offset) sent.
+
+    A server's drafter may remember its own earlier answers (the suffix drafter does), so a prompt sent twice
+    measures that memory rather than the server: each level gets fresh prompts, and a run that had to wrap
+    around the file says how many it repeated.
+    """
+
+    per_level: list[list[str]]
+    next_offset: int  # where a later run on the same server starts to send only new prompts
+    repeated: int  # requests whose prompt an earlier level or run (from offset 0) already sent
+
+    def summary(self) -> str:
+        if self.repeated:
+            return (f"**{self.repeated} requests repeated a prompt** that an earlier level (or run) sent: the file "
+                    f"has too few prompts for this sweep; a server that remembers its answers drafts them.")
+        return (f"Every level sent prompts no earlier level sent (a later run on the same server: "
+                f"`--prompt-offset {self.next_offset}`).")
+
+
+def level_prompts(pool: Sequence[str], levels: int, requests: int, offset: int) -> LevelPrompts:
+    """`requests` prompts for each of `levels` levels, in order from `offset` into `pool` (wrapping if it runs out)."""
+    if not pool:
+        raise ValueError("the prompts file holds no prompts")
+    end = offset + levels * requests
+    order = [pool[i % len(pool)] for i in range(offset, end)]
+    return LevelPrompts([order[i * requests:(i + 1) * requests] for i in range(levels)], end,
+                        max(0, end - len(pool)))
+
+
 def parse_target(text: str) -> Target:
     """`LABEL=URL` or a bare URL (labelled host:port); only loopback hosts are accepted."""
     label, _, url = text.rpartition("=") if "=" in text.split("://")[0] else ("", "", text)
@@ -112,6 +142,7 @@ async def stream_chat(
     start = time.perf_counter()
     token_times: list[float] = []
     usage: dict = {}
+    timings: dict = {}  # llama-server's own figures, beside its usage
 
     def failed(error: str) -> RequestResult:
         return RequestResult(False, time.perf_counter() - start, error=error)
@@ -128,6 +159,7 @@ async def stream_chat(
                     if "error" in chunk:  # the server failed the request after the headers went out
                         return failed(f"stream: {chunk['error'].get('message')}")
                     usage = chunk.get("usage") or usage
+                    timings = chunk.get("timings") or timings
                     if any(choice["delta"].get("content") for choice in chunk.get("choices", ())):
                         token_times.append(time.perf_counter())
                         if on_token:
@@ -136,7 +168,9 @@ async def stream_chat(
         return failed(f"{type(exc).__name__}: {exc}")
     if not usage:
         return failed("stream ended without usage")
-    spec = usage.get("speculative") or {}
+    # Ours report drafts in usage.speculative, llama-server in its timings (where it drafted at all).
+    spec = usage.get("speculative") or {"draft_tokens": timings.get("draft_n", 0),
+                                        "accepted_tokens": timings.get("draft_n_accepted", 0)}
     return RequestResult(
         ok=True,
         e2e=time.perf_counter() - start,
@@ -212,25 +246,26 @@ def model_of(client: httpx.Client, target: Target) -> str:
 async def sweep(
     targets: Sequence[Target],
     loads: Sequence[Load],
-    prompts: Sequence[str],
+    prompts: Sequence[Sequence[str]],
     max_tokens: int,
     temperature: float,
     timeout_s: float,
     api_key: str | None = None,
     on_level: Callable[[dict], None] = lambda level: None,
 ) -> list[dict]:
-    """Each level on each target in turn: targets interleaved per level, so that drift hits all alike,
-    and each target gets the same prompts in the same order."""
+    """Each level on each target in turn: targets interleaved per level, so that drift hits all alike;
+    `prompts[i]` are level i's (at least its requests), the same for each target and in the same order."""
     levels = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=30, headers=headers) as sync:
+    # One connection per in-flight request: the pool must not queue requests on the client side. None kept
+    # alive: llama-server closes a connection a moment after its response, and a request sent on it fails.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    with httpx.Client(timeout=30, headers=headers, limits=limits) as sync:
         models = {t.label: model_of(sync, t) for t in targets}
-        # One connection per in-flight request: the pool must not queue requests on the client side.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
-            for load in loads:
+            for load, level_texts in zip(loads, prompts, strict=True):
                 for target in targets:
-                    texts = itertools.cycle(prompts)
+                    texts = iter(level_texts)
 
                     def send(target: Target = target) -> Awaitable[RequestResult]:
                         body = {

@@ -7,9 +7,11 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from .bench.prompts import DEFAULT_PROMPTS
+from .bench.results import cpu_info
 
 
 def parser(doc: str, prompts: int | None = 10) -> argparse.ArgumentParser:
@@ -26,10 +28,11 @@ def parser(doc: str, prompts: int | None = 10) -> argparse.ArgumentParser:
 
 def report(result: dict, out: Path | None, tool: str, argv: list[str] | None) -> None:
     """Print the figures; with `out`, also write them there, with the command that made them (`python -m tool`
-    with `argv`, default the process's arguments)."""
+    with `argv`, default the process's arguments), when, and on which CPU (docs/BENCHMARKS.md places it by that)."""
     text = json.dumps(result, indent=2)
     print(text)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         command = shlex.join(["python", "-m", tool, *(sys.argv[1:] if argv is None else argv)])
-        out.write_text(json.dumps({"command": command, **result}, indent=2) + "\n")
+        stamp = {"command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": cpu_info()}
+        out.write_text(json.dumps({**stamp, **result}, indent=2) + "\n")

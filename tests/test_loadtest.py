@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from contextlib import ExitStack
 
 import pytest
 
-from loadtest.__main__ import main
+from loadtest.__main__ import main, workload_prompts
 from loadtest.report import percentiles
-from loadtest.runner import parse_target
+from loadtest.runner import level_prompts, parse_target
 from tests.test_server import make_config, running
 
 
@@ -41,6 +43,64 @@ def test_only_loopback_targets_are_accepted():
             parse_target(url)
 
 
+def test_each_level_and_a_later_run_send_prompts_not_sent_before():
+    pool = [f"prompt {i}" for i in range(10)]
+    first = level_prompts(pool, levels=3, requests=2, offset=0)
+    assert first.per_level == [["prompt 0", "prompt 1"], ["prompt 2", "prompt 3"], ["prompt 4", "prompt 5"]]
+    assert first.repeated == 0 and first.next_offset == 6 and "--prompt-offset 6" in first.summary()
+    second = level_prompts(pool, levels=2, requests=2, offset=first.next_offset)
+    sent_before = {text for level in first.per_level for text in level}
+    assert not sent_before & {text for level in second.per_level for text in level}
+    wrapped = level_prompts(pool, levels=2, requests=3, offset=6)  # 6..11: prompts 0 and 1 again
+    assert wrapped.per_level[1] == ["prompt 9", "prompt 0", "prompt 1"] and wrapped.repeated == 2
+    assert "2 requests repeated a prompt" in wrapped.summary()
+
+
+def test_the_code_edit_workload_is_a_prompt_source():
+    prompts = workload_prompts("code-edit")
+    assert len(prompts) == len(set(prompts)) >= 15
+    assert all(p.startswith("Here is a function from Python's") and "```python" in p for p in prompts)
+
+
+@pytest.fixture
+def closing_server():
+    """An OpenAI-like server that, as llama-server does, closes each connection after its response without saying so,
+    and reports its drafts in `timings` rather than in usage."""
+    chunks = [{"choices": [{"delta": {"content": "hi"}}]}, {"choices": [{"delta": {"content": " there"}}]},
+              {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5},
+               "timings": {"draft_n": 4, "draft_n_accepted": 3}}]
+    stream = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    answers = {"/health": ("application/json", "{}"), "/v1/models": ("application/json", '{"data": [{"id": "m"}]}'),
+               "/v1/chat/completions": ("text/event-stream", stream)}
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = int(next((line.split(":")[1] for line in head.split("\r\n") if line.lower().startswith("content-length")), 0))
+        await reader.readexactly(length)
+        kind, body = answers.get(head.split()[1], ("text/plain", "not found"))
+        status = "200 OK" if head.split()[1] in answers else "404 Not Found"
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        await writer.drain()
+        await asyncio.sleep(0.05)  # closed a moment later: a client that kept it alive has sent its next request on it
+        writer.close()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(answer, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def test_a_server_that_closes_its_connections_and_reports_drafts_in_timings(closing_server, prompts, tmp_path):
+    argv = ["--url", f"llama={closing_server}", "--concurrency", "1", "--requests", "3", "--prompts", str(prompts),
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert level["ok"] == 3 and level["errors"] == {} and level["acceptance_rate"] == 0.75
+
+
 def test_percentiles():
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
     assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0])["p50"] == 3.0
@@ -66,6 +126,8 @@ def test_concurrency_sweep_with_speculation_on_and_off(servers, prompts, tmp_pat
     assert by_target["spec"]["acceptance_rate"] is not None and by_target["plain"]["acceptance_rate"] is None
     report = (out / "report.md").read_text()
     assert report.startswith("`python -m loadtest --url spec=") and "| vs plain |" in report
+    # 2 levels of 4 requests from a file of 3 prompts: the run must say it repeated 5 of them.
+    assert results["prompts"]["repeated"] == 5 and "**5 requests repeated a prompt**" in report
     assert len([line for line in report.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]) == 4
     assert (out / "latency.png").read_bytes().startswith(b"\x89PNG")
 

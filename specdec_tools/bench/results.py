@@ -190,10 +190,10 @@ def plain_sequences(runs: Sequence[Run], prompt_ids: Callable[[Prompt], list[int
     return list(seen.values())
 
 
-def machine(dtype: str, device: str) -> dict:
-    """What the figures were measured on: they mean nothing without it."""
-    cpu, flags, memory_gib = platform.processor() or "unknown", [], None
-    cpuinfo, meminfo = Path("/proc/cpuinfo"), Path("/proc/meminfo")
+def cpu_info() -> dict:
+    """The CPU's name and the flags that place it among the project's CPU kinds (docs/BENCHMARKS.md)."""
+    cpu, flags = platform.processor() or "unknown", []
+    cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
@@ -202,12 +202,18 @@ def machine(dtype: str, device: str) -> dict:
             elif key.strip() == "flags" and not flags:
                 # The ones that decide bf16 speed on CPU (MODELS.md): AVX-512 bf16 and AMX tiles.
                 flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in value.split()]
+    return {"cpu": cpu, "cpu_flags": flags}
+
+
+def machine(dtype: str, device: str) -> dict:
+    """What the figures were measured on: they mean nothing without it."""
+    memory_gib = None
+    meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         total_kib = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemTotal"))
         memory_gib = round(total_kib / 2**20, 1)
     return {
-        "cpu": cpu,
-        "cpu_flags": flags,
+        **cpu_info(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": memory_gib,
