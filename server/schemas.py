@@ -202,7 +202,7 @@ class SamplingRequest(Schema):
     # vLLM's name: requests share cached prompt chunks only when their salts (and API keys) are equal.
     cache_salt: str | None = Field(None, max_length=256)
     response_format: ResponseFormat | None = None
-    # This server's extensions (README, "Request extensions"): the playground's, usable by any client.
+    # This server's extensions (docs/API.md, "Request extensions"): the playground's, usable by any client.
     speculation: bool = Field(True, description="false: decode this request plainly (gamma 0); the text is the same")
     return_token_sources: bool = Field(
         False, description="Each choice (and each streamed chunk) lists its tokens' sources: drafter, grammar or target",

@@ -138,11 +138,20 @@ def test_grammar_drafts_are_marked_as_the_grammars(served):
     assert counts["grammar"] == whole["usage"]["speculative"]["grammar_accepted_tokens"] > 0
 
 
-def test_the_readmes_extension_example_runs(served, capsys):
+def test_the_readmes_first_request_runs(served, capsys):
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Request extensions"):]
+    section = readme[readme.index("## A first request"):]
     code = section[section.index("```python\n") + len("```python\n"):]
-    exec(compile(code[: code.index("```")], "README.md", "exec"), {"client": served.client, "model": MODEL})
+    code = code[: code.index("```")].replace("http://127.0.0.1:8000", served.url).replace("qwen2.5-coder-1.5b", MODEL)
+    exec(compile(code, "README.md", "exec"), {})
+    assert "'draft_tokens'" in capsys.readouterr().out
+
+
+def test_the_api_pages_extension_example_runs(served, capsys):
+    page = (ROOT / "docs" / "API.md").read_text()
+    section = page[page.index("## Request extensions"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    exec(compile(code[: code.index("```")], "docs/API.md", "exec"), {"client": served.client, "model": MODEL})
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1] == "0" and any("'target'" in line for line in printed)
 

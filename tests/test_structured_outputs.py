@@ -231,12 +231,12 @@ def test_tool_calls_and_results_render_through_the_template(template):
     assert '"description": "The weather in a city"' in text
 
 
-def test_the_readmes_structured_output_and_tool_examples_run(served):
-    """The README's example, as printed, against this server's model (random weights: what it prints is noise)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Structured outputs and tool calls"):]
+def test_the_api_pages_structured_output_and_tool_examples_run(served):
+    """docs/API.md's example, as printed, against this server's model (random weights: what it prints is noise)."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text()
+    section = readme[readme.index("## Structured outputs and tool calls"):]
     code = section[section.index("```python\n") + len("```python\n"):]
     code = code[: code.index("```")]
     namespace = {"client": served.client, "model": MODEL}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/API.md", "exec"), namespace)
     assert namespace["call"].choices[0].message.tool_calls and namespace["answer"].choices[0].message.content is not None

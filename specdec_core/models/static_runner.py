@@ -159,7 +159,7 @@ class StaticRunner(ModelRunner):
             # CUDA graphs replay fixed shapes, so there the passes are padded and each shape is recorded once.
             # emulate_precision_casts: inductor rounds to bf16 where eager does, not once per fused chain; without
             # it the tiny model's text differs from the eager step's (tests/test_invisible.py). On real weights a
-            # difference remains (docs/BENCHMARKS.md, "Steps"): static is the exact step.
+            # difference remains (docs/benchmarks/NOTES.md, "The step"): static is the exact step.
             # triton.cudagraphs is mode="reduce-overhead", which torch.compile takes only without options.
             options = {"emulate_precision_casts": True, "triton.cudagraphs": self.device.type == "cuda"}
             self._compiled_pass = torch.compile(self._pass, dynamic=True, options=options)
