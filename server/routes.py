@@ -57,7 +57,9 @@ async def health(request: Request) -> JSONResponse:
 
 PLAYGROUND = Path(__file__).parent / "playground"  # the page's files: no build step, nothing from the network
 PLAYGROUND_PAGES = ("/", "/playground")
-PLAYGROUND_ASSETS = {"playground.css": "text/css", "playground.js": "text/javascript", "icon.svg": "image/svg+xml"}
+PLAYGROUND_ASSETS = {"playground.css": "text/css", "playground.js": "text/javascript", "icon.svg": "image/svg+xml",
+                     # its markdown renderer and sanitizer, pinned in vendor/VENDOR.md
+                     "vendor/marked.umd.js": "text/javascript", "vendor/purify.min.js": "text/javascript"}
 PLAYGROUND_PATHS = frozenset(PLAYGROUND_PAGES) | {f"/playground/{name}" for name in PLAYGROUND_ASSETS}
 # The page runs only its own files, and talks only to this server.
 PLAYGROUND_HEADERS = {
@@ -75,7 +77,7 @@ async def playground(request: Request) -> Response:
     return _playground_file(request, "playground.html", "text/html")
 
 
-@router.get("/playground/{name}", include_in_schema=False)
+@router.get("/playground/{name:path}", include_in_schema=False)
 async def playground_asset(name: str, request: Request) -> Response:
     if name not in PLAYGROUND_ASSETS:
         raise APIError(404, f"the playground has no file {name!r}")

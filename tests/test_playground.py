@@ -3,11 +3,13 @@
 The extensions (speculation: false, return_token_sources, stream_options.continuous_usage_stats) are tested on
 the tiny random model, as the other server tests are. The page is tested in a real Chromium (tests/browser.py)
 against SmolLM2-135M with the suffix drafter: a person's chat, stop, comparison, key, errors, keyboard, contrast
-and phone width. Those skip, saying why, where no Chromium is installed.
+and phone width. Those skip, saying why, where no Chromium is installed. Answers rendered from markdown are tested
+with scripted streams (the page's fetch answered by the test), whose text and token sources are known.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -18,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from server.routes import PLAYGROUND, PLAYGROUND_ASSETS
 from tests.browser import MISSING, chromium, idle, open_page, send, wait
 from tests.test_server import MODEL, NO_EOS, ROOT, Served, make_config, running
 
@@ -175,7 +178,16 @@ def test_the_page_and_its_files_are_served_with_a_strict_policy(served):
         for asset in re.findall(r'(?:href|src)="(playground/[^"]+)"', page.text):  # relative: prefixes work
             assert httpx.get(f"{served.url}/{asset}").status_code == 200
     assert httpx.get(f"{served.url}/playground/nothing.js").status_code == 404
+    assert httpx.get(f"{served.url}/playground/vendor/VENDOR.md").status_code == 404  # the listed files only
     assert httpx.get(f"{served.url}/v1/models").json()["data"][0]["drafter"] == "suffix"
+
+
+def test_the_vendored_libraries_are_the_pinned_ones():
+    table = (PLAYGROUND / "vendor/VENDOR.md").read_text()
+    listed = re.findall(r"^\| `([^`]+)` \|.*\| `([0-9a-f]{64})` \|$", table, re.M)
+    assert {f"vendor/{name}" for name, _ in listed} == {name for name in PLAYGROUND_ASSETS if "/" in name}
+    for name, sha256 in listed:
+        assert hashlib.sha256((PLAYGROUND / "vendor" / name).read_bytes()).hexdigest() == sha256, name
 
 
 def test_the_page_holds_no_secret_and_its_api_calls_need_the_key():
@@ -228,9 +240,63 @@ REFLOW = (320, 640)  # WCAG 2.1's reflow width: no horizontal scrolling at 320 C
 REPEAT = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
 
 
+def marked_runs(driver, selector: str) -> list[list[str]]:
+    """[source, text] of each mark under `selector`, with its whitespace (WebDriver's .text trims it), read in one
+    script: a streaming answer is rendered anew each frame, which leaves elements found before stale."""
+    return driver.execute_script("return [...document.querySelectorAll(arguments[0])]"
+                                 ".map((span) => [span.className.split(' ')[1], span.textContent])", selector)
+
+
 def marks(driver) -> Counter:
-    spans = driver.find_elements("css selector", "#conversation li:last-child .tok")
-    return Counter(span.get_attribute("class").split()[1] for span in spans)
+    return Counter(source for source, _ in marked_runs(driver, "#conversation > li:last-child .tok"))
+
+
+def last_answer(driver) -> dict:
+    """The tab's record of the last answer: its raw text and its pieces, [text, source, tokens] a chunk."""
+    return driver.execute_script("return JSON.parse(sessionStorage.getItem('specdec-conversation')).at(-1)")
+
+
+SCRIPTED = """
+const chunks = arguments[0];
+let hold = arguments[1]; // the first stream to reach this chunk waits there; later ones do not
+window.requests = [];
+const fetched = window.fetch;
+window.fetch = (url, options) => {
+  if (!String(url).endsWith("v1/chat/completions")) return fetched(url, options);
+  window.requests.push(JSON.parse(options.body));
+  const bytes = new TextEncoder();
+  const body = new ReadableStream({ async start(stream) {
+    for (const [index, [text, sources]] of chunks.entries()) {
+      if (index === hold) {
+        hold = null;
+        await new Promise((go) => { window.release = go; });
+      }
+      const chunk = { choices: [{ index: 0, delta: { content: text }, token_sources: sources }] };
+      stream.enqueue(bytes.encode(`data: ${JSON.stringify(chunk)}\\n\\n`));
+      await new Promise((next) => setTimeout(next, 5));
+    }
+    stream.enqueue(bytes.encode("data: [DONE]\\n\\n"));
+    stream.close();
+  } });
+  return Promise.resolve(new Response(body, { headers: { "Content-Type": "text/event-stream" } }));
+};
+"""
+
+
+def scripted(driver, chunks: list[tuple[str, list[str]]], hold: int | None = None) -> None:
+    """The page's chats answered by these (text, token sources) chunks, not the model; with `hold`, the first
+    stream waits before that chunk until the test runs window.release()."""
+    driver.execute_script(SCRIPTED, [[text, sources] for text, sources in chunks], hold)
+
+
+D, T = "drafter", "target"
+CODE_ANSWER = [("Here it is:\n\n", [T] * 4), ("```python\n", [D] * 3), ("def square", [D, D]), ("(x):\n", [T]),
+               ("    return x * x", [D] * 4), ("\n```\n", [T]), ("Done.", [D])]
+WIDE = "x" * 300
+WIDE_ANSWER = [("See [the docs](https://example.com/docs) and `inline code`.\n\n> quoted\n\n", [T] * 9),
+               (f"```\n{WIDE} = 1\n```\n\n", [D] * 6),
+               ("| " + " | ".join(f"column_{i}_heading" for i in range(12)) + " |\n" + "|---" * 12 + "|\n", [T] * 12),
+               ("| " + " | ".join(f"value {i}" for i in range(12)) + " |\n", [D] * 12)]
 
 
 @browser
@@ -263,16 +329,21 @@ def test_a_chat_streams_with_marks_that_match_the_streams_counts(page, smollm2_s
     wait(page, lambda d: marks(d), "the first token")
     assert not idle(page)  # tokens arrive while the request runs
     wait(page, idle, "the reply to finish")
-    counts = marks(page)
+    answer = last_answer(page)  # the marks are on rendered text: the tokens are counted from the record
+    counts = Counter()
+    for _, source, tokens in answer["pieces"]:
+        counts[source] += tokens
+    assert answer["content"] == "".join(text for text, _, _ in answer["pieces"])
     assert sum(counts.values()) == int(page.find_element("id", "live-tokens").text)
     assert counts["drafter"] + counts["grammar"] == int(page.find_element("id", "live-kept").text)
-    assert counts["drafter"] > 0 and counts["target"] > 0
+    assert counts["drafter"] > 0 and counts["target"] > 0 and marks(page)["drafter"] > 0 and marks(page)["target"] > 0
     assert page.find_element("id", "live-acceptance").text.endswith("%")
-    summary = page.find_element("css selector", "#conversation li:last-child .summary").text
+    summary = page.find_element("css selector", "#conversation > li:last-child .summary").text
     assert summary.startswith(f"{sum(counts.values())} tokens: {counts['drafter']} drafted and kept")
     # The conversation goes on: the second turn carries the first.
     send(page, "Once more.")
-    wait(page, lambda d: len(d.find_elements("css selector", "#conversation li")) == 4 and idle(d), "the second reply")
+    wait(page, lambda d: len(d.find_elements("css selector", "#conversation > li")) == 4 and idle(d),
+         "the second reply")
     assert page.find_element("id", "error").get_attribute("hidden") is not None
 
 
@@ -286,8 +357,104 @@ def test_stop_cancels_the_request_on_the_server(page, smollm2_served, slow_steps
     page.find_element("id", "stop").click()
     scheduler = smollm2_served.app.state.scheduler
     smollm2_served.wait_until(lambda: not scheduler._jobs and not scheduler.engine.seqs, "the server to free the slot")
-    assert "(stopped)" in page.find_element("css selector", "#conversation li:last-child .who").text
+    assert "(stopped)" in page.find_element("css selector", "#conversation > li:last-child .who").text
     assert idle(page)
+
+
+@browser
+def test_a_streamed_code_block_renders_as_code_with_its_marks(page):
+    scripted(page, CODE_ANSWER, hold=5)  # held before the closing fence: the block is still open
+    send(page, "Write a function.")
+    code = "#conversation > li:last-child pre > code"
+
+    def code_text(driver) -> str:
+        return driver.execute_script(f"return document.querySelector('{code}')?.textContent ?? ''")
+
+    wait(page, lambda d: "return x * x" in code_text(d), "the open block")
+    assert not idle(page)
+    streaming = marked_runs(page, f"{code} .tok")
+    assert streaming == [[D, "def square"], [T, "(x):\n"], [D, "    return x * x"]]
+    page.execute_script("window.release()")
+    wait(page, idle, "the reply to finish")
+    assert len(page.find_elements("css selector", "#conversation > li:last-child pre")) == 1
+    assert marked_runs(page, f"{code} .tok") == [*streaming, [T, "\n"]]  # the newline before the fence, come since
+    assert code_text(page) == "def square(x):\n    return x * x\n"
+    assert marked_runs(page, "#conversation > li:last-child p .tok") == [[T, "Here it is:"], [D, "Done."]]
+    summary = page.find_element("css selector", "#conversation > li:last-child .summary").text
+    assert summary == "16 tokens: 10 drafted and kept"
+    # The record is the raw text, markdown and all: the tab keeps it, and the next turn sends it.
+    raw = "".join(text for text, _ in CODE_ANSWER)
+    assert last_answer(page)["content"] == raw
+    send(page, "Thanks.")
+    wait(page, lambda d: len(d.find_elements("css selector", "#conversation > li")) == 4 and idle(d),
+         "the second reply")
+    assert {"role": "assistant", "content": raw} in page.execute_script("return window.requests.at(-1).messages")
+
+
+@browser
+def test_markdown_renders_with_the_marks_on_its_words(page):
+    scripted(page, [("# Title\n\nSome ", [T, T]), ("**bold**", [D, D]), (" and *em*.\n\n", [T] * 3),
+                    ("- one\n- two\n\n", [D] * 4), ("| L | R |\n|:--|--:|\n| a | b |\n", [T] * 6)])
+    send(page, "Format something.")
+    wait(page, idle, "the reply")
+    answer = "#conversation > li:last-child .markdown"
+    assert marked_runs(page, f"{answer} h1 .tok") == [[T, "Title"]]
+    assert marked_runs(page, f"{answer} p .tok") == [[T, "Some "], [D, "bold"], [T, " and "], [T, "em"], [T, "."]]
+    assert page.find_element("css selector", f"{answer} strong").text == "bold"
+    assert marked_runs(page, f"{answer} ul > li .tok") == [[D, "one"], [D, "two"]]
+    assert marked_runs(page, f"{answer} td .tok") == [[T, "a"], [T, "b"]]
+    cells = page.execute_script(f"return [...document.querySelectorAll('{answer} :is(th, td)')]"
+                                ".map((cell) => getComputedStyle(cell).textAlign)")
+    assert cells == ["left", "right", "left", "right"]
+    item = page.find_element("css selector", f"{answer} li")  # a list item of the answer's, not of the conversation
+    assert [item.value_of_css_property(name) for name in ("border-top-style", "list-style-type")] == ["none", "disc"]
+
+
+@browser
+def test_html_and_script_in_an_answer_never_run(page):
+    hostile = ('<img src=x onerror="window.ran = 1"> <script>window.ran = 2</script>\n\n'
+               '<svg onload="window.ran = 3"></svg> [click](javascript:window.ran=4) [ok](https://example.com/)'
+               ' ![pixel](https://example.com/pixel.png)\n\n<iframe src="https://example.com/"></iframe>\n\n'
+               '<script>window.ran = 5</script>\n')
+    scripted(page, [(hostile[i:i + 7], [T]) for i in range(0, len(hostile), 7)])
+    send(page, "Say something hostile.")
+    wait(page, idle, "the reply")
+    answer = page.find_element("css selector", "#conversation > li:last-child .markdown")
+    assert page.execute_script("return window.ran") is None
+    assert not answer.find_elements("css selector", "img, script, svg, iframe, [onerror], [onload], [style]")
+    assert '<img src=x onerror="window.ran = 1">' in answer.text and "<script>window.ran = 2</script>" in answer.text
+    links = page.execute_script("return [...arguments[0].querySelectorAll('a')].map((a) => [a.textContent, "
+                                "a.getAttribute('href'), a.target, a.rel])", answer)
+    assert links == [["click", None, "", ""], ["ok", "https://example.com/", "_blank", "noopener noreferrer"],
+                     ["pixel", "https://example.com/pixel.png", "_blank", "noopener noreferrer"]]
+
+
+@browser
+def test_a_rendered_answers_links_and_code_are_reached_from_the_keyboard(page):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    scripted(page, WIDE_ANSWER)
+    send(page, "Show me wide things.")
+    wait(page, idle, "the reply")
+
+    def press(*keys, shift: bool = False) -> str:
+        actions = ActionChains(page)
+        if shift:
+            actions.key_down(Keys.SHIFT)
+        actions.send_keys(*keys)
+        if shift:
+            actions.key_up(Keys.SHIFT)
+        actions.perform()
+        return page.execute_script("const at = document.activeElement;"
+                                   "return (at.closest('#conversation') ? 'answer ' : '') + at.tagName")
+
+    page.find_element("id", "prompt").click()
+    # Back from the message box: the table and the code block, too wide for their boxes, are stops of their own.
+    assert [press(Keys.TAB, shift=True) for _ in range(3)] == ["answer TABLE", "answer PRE", "answer A"]
+    assert press(Keys.TAB) == "answer PRE"
+    press(Keys.ARROW_RIGHT)  # which scrolls it
+    wait(page, lambda d: d.execute_script("return document.activeElement.scrollLeft") > 0, "the block to scroll")
 
 
 @browser
@@ -367,7 +534,7 @@ def test_keyboard_alone_reaches_every_control_sends_and_stops(page, smollm2_serv
     wait(page, lambda d: sum(marks(d).values()) >= 3, "some tokens")
     press(Keys.ENTER)
     wait(page, idle, "the request to stop")
-    assert "(stopped)" in page.find_element("css selector", "#conversation li:last-child .who").text
+    assert "(stopped)" in page.find_element("css selector", "#conversation > li:last-child .who").text
     assert page.execute_script("return document.activeElement.id") == "prompt"
 
 
@@ -395,7 +562,9 @@ for (const element of document.querySelectorAll("body *")) {
   const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
   const size = parseFloat(style.fontSize), bold = Number(style.fontWeight) >= 700;
   const large = size >= 24 || (bold && size >= 18.66);
-  found.push([element.tagName + "#" + element.id + "." + element.className, ratio, large ? 3 : 4.5]);
+  const within = ["PRE", "CODE", "A", "TH", "BLOCKQUOTE"].find((tag) => element.closest(tag));
+  found.push([element.tagName + "#" + element.id + "." + element.className + (within ? " in " + within : ""),
+    ratio, large ? 3 : 4.5]);
 }
 return found;
 """
@@ -405,11 +574,17 @@ return found;
 def test_every_text_meets_wcag_aa_contrast(page):
     send(page, REPEAT)
     wait(page, lambda d: idle(d) and marks(d)["drafter"], "a reply with drafts")
+    scripted(page, WIDE_ANSWER)  # and a rendered one: code, a link, a quote, a table, marks on them
+    send(page, "Show me wide things.")
+    wait(page, lambda d: idle(d) and d.find_elements("css selector", "#conversation > li:last-child table"),
+         "the table")
     page.execute_script("document.getElementById('error').hidden = false;"
                         "document.getElementById('error').textContent = 'an error';"
                         "document.getElementById('comparison').hidden = false;")
     measured = page.execute_script(CONTRAST)
     assert len(measured) > 30 and any("drafter" in name for name, _, _ in measured)
+    for rendered in ("drafter in PRE", "target in CODE", "target in A", "target in BLOCKQUOTE", "target in TH"):
+        assert any(name.endswith(rendered) for name, _, _ in measured), rendered
     failing = [(name, round(ratio, 2)) for name, ratio, least in measured if ratio < least]
     assert not failing, failing
 
@@ -445,4 +620,13 @@ def test_the_page_works_at_phone_width(page):
         element = page.find_element("id", control)
         box = element.rect
         assert element.is_displayed() and box["x"] >= 0 and box["x"] + box["width"] <= REFLOW[0]
+    assert page.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    # A wide code block and a wide table scroll inside their own boxes; the page does not.
+    scripted(page, WIDE_ANSWER)
+    send(page, "Show me wide things.")
+    wait(page, lambda d: idle(d) and d.find_elements("css selector", "#conversation > li:last-child table"),
+         "the table")
+    boxes = page.execute_script("return [...document.querySelectorAll('#conversation > li:last-child :is(pre, table)')]"
+                                ".map((box) => [box.scrollWidth > box.clientWidth, box.getBoundingClientRect().right])")
+    assert len(boxes) == 2 and all(scrolls and right <= REFLOW[0] for scrolls, right in boxes), boxes
     assert page.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")

@@ -1,6 +1,7 @@
 // The playground: a chat over the server's public API that marks each streamed token by where it came from
 // (the request extension return_token_sources), compares plain and speculative decoding of one prompt
-// (speculation: false decodes plainly), and shows the server's Prometheus figures. No library, no build step.
+// (speculation: false decodes plainly), and shows the server's Prometheus figures. Answers show as markdown,
+// through two vendored libraries (vendor/VENDOR.md: marked renders, DOMPurify sanitizes); no build step.
 // URLs are relative to the page, so that it works behind a path prefix too.
 "use strict";
 
@@ -152,28 +153,127 @@ function announce(message) {
   $("status").textContent = message;
 }
 
+// A message in the conversation: the user's as typed, the assistant's rendered (its body filled by render).
 function addMessage(role, text) {
   const item = document.createElement("li");
   const who = document.createElement("span");
   who.className = "who";
   who.textContent = role;
   const body = document.createElement("div");
-  body.className = "text";
+  body.className = role === "assistant" ? "markdown" : "text";
   body.textContent = text;
   item.append(who, body);
   $("conversation").append(item);
   return body;
 }
 
-// One chunk's text in a span marked by its source (a chunk of several tokens, held back, takes its last's).
-function appendToken(container, text, sources) {
-  const span = document.createElement("span");
-  const source = sources.length ? sources[sources.length - 1] : "target";
-  span.className = `tok ${source}`;
-  span.dataset.tokens = String(Math.max(sources.length, 1));
-  span.textContent = text;
-  container.append(span);
-  return [text, source, Math.max(sources.length, 1)];
+// -- answers as markdown ---------------------------------------------------------------------------------------
+// An answer is kept as its pieces, [text, source, tokens] a streamed chunk; their joined raw text is the record
+// (the next turn's history, Compare's check, the tab's storage). The page shows it rendered: marked makes HTML
+// of it, DOMPurify keeps only the tags below (the model's own HTML shows as text, never as elements), and each
+// rendered character is then matched to the raw character it came from, to be marked by its token's source.
+
+const escapeHtml = (text) => text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`);
+const markdown = new marked.Marked({
+  renderer: {
+    html: ({ text, block }) => (block ? `<p>${escapeHtml(text)}</p>` : escapeHtml(text)),
+    // The page fetches no images for an answer (nor lets one track its reader): an image shows as a link to it.
+    image(token) { return this.link({ ...token, text: token.text || token.href, autolink: true }); },
+  },
+});
+const RENDERED = {
+  ALLOWED_TAGS: ["p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "ul", "ol", "li", "blockquote", "pre", "code",
+    "em", "strong", "del", "a", "table", "thead", "tbody", "tr", "th", "td"],
+  ALLOWED_ATTR: ["href", "start", "align"],
+  RETURN_DOM_FRAGMENT: true,
+};
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName !== "A") return;
+  if (/^(https?|mailto):/i.test(node.getAttribute("href") || "")) {
+    node.setAttribute("target", "_blank");
+    node.setAttribute("rel", "noopener noreferrer");
+  } else {
+    node.removeAttribute("href"); // relative, javascript: and any other scheme: the words stay, not the link
+  }
+});
+
+// One chunk as a piece: a chunk of several tokens, held back, takes its last's source.
+function piece(text, sources) {
+  return [text, sources.length ? sources[sources.length - 1] : "target", Math.max(sources.length, 1)];
+}
+
+// Which piece each rendered character came from (-1: none found). Rendered text is the raw text less
+// markdown's syntax, in order, so a character is matched to the next equal raw one. A code block's text is
+// the raw text verbatim, so it is matched whole (its fence's info string cannot take its first letters).
+// Whitespace crosses only syntax characters: the newlines between rendered blocks (a list's, a table's) must
+// not skip the text they stand before.
+function origins(text, inCode, raw, owners, cursor) {
+  const from = new Array(text.length).fill(-1);
+  let i = 0;
+  const code = inCode ? text.replace(/\n$/, "") : "";
+  const found = code ? raw.indexOf(code, cursor.at) : -1;
+  if (found >= 0) {
+    for (; i < code.length; i++) from[i] = owners[found + i];
+    cursor.at = found + code.length;
+  }
+  for (; i < text.length; i++) {
+    const char = text[i];
+    let at = cursor.at;
+    if (/\s/.test(char)) while (at < raw.length && raw[at] !== char && !/[\s\p{L}\p{N}]/u.test(raw[at])) at++;
+    else at = raw.indexOf(char, at);
+    if (at >= 0 && raw[at] === char) {
+      from[i] = owners[at];
+      cursor.at = at + 1;
+    }
+  }
+  return from;
+}
+
+// Fills the container with the pieces' text as markdown, each run of a piece's characters in a span marked
+// by its source, as each token's text was marked before the page rendered markdown.
+function render(container, pieces) {
+  const raw = pieces.map(([text]) => text).join("");
+  const owners = pieces.flatMap(([text], index) => Array(text.length).fill(index));
+  const shown = DOMPurify.sanitize(markdown.parse(raw), RENDERED);
+  const texts = [];
+  const walker = document.createTreeWalker(shown, NodeFilter.SHOW_TEXT);
+  while (walker.nextNode()) texts.push(walker.currentNode);
+  const cursor = { at: 0 };
+  for (const node of texts) {
+    const text = node.data;
+    const from = origins(text, node.parentElement?.closest("pre") != null, raw, owners, cursor);
+    if (!text.trim()) continue; // between blocks (a table's rows, a list's items) a span would make a box of its own
+    const runs = [];
+    for (let start = 0, end; start < text.length; start = end) {
+      for (end = start + 1; end < text.length && from[end] === from[start];) end++;
+      if (from[start] < 0) {
+        runs.push(text.slice(start, end));
+        continue;
+      }
+      const span = document.createElement("span");
+      span.className = `tok ${pieces[from[start]][1]}`;
+      span.textContent = text.slice(start, end);
+      runs.push(span);
+    }
+    node.replaceWith(...runs);
+  }
+  container.replaceChildren(shown);
+}
+
+// An answer as it streams: rendered again at most once a frame, and at once by show() when it ends (so that
+// no frame still pending replaces what the page shows after the request).
+class Answer {
+  constructor(container) { this.container = container; this.pieces = []; this.frame = null; }
+  add(text, sources) {
+    this.pieces.push(piece(text, sources));
+    this.frame ??= requestAnimationFrame(() => this.show());
+  }
+  show() {
+    cancelAnimationFrame(this.frame);
+    this.frame = null;
+    render(this.container, this.pieces);
+  }
+  get text() { return this.pieces.map(([text]) => text).join(""); }
 }
 
 // "N tokens: D drafted and kept, G forced by the grammar", in words: what the marks say, for every reader.
@@ -254,8 +354,9 @@ function restoreConversation() {
   }
   for (const message of page.messages) {
     const body = addMessage(message.role, message.pieces ? "" : message.content);
-    for (const [text, source, tokens] of message.pieces || []) appendToken(body, text, Array(tokens).fill(source));
-    if (message.pieces) addSummary(body, message.pieces);
+    if (!message.pieces) continue;
+    render(body, message.pieces);
+    addSummary(body, message.pieces);
   }
 }
 
@@ -272,7 +373,7 @@ async function send() {
   const reply = addMessage("assistant", "");
   reply.setAttribute("aria-busy", "true");
   const timing = new Timing();
-  const pieces = [];
+  const answer = new Answer(reply);
   let usage = null;
   page.running = new AbortController();
   busy(true);
@@ -281,14 +382,14 @@ async function send() {
     await chat(messages, sampling, {
       speculation: $("decoding").value === "speculative",
       signal: page.running.signal,
-      onToken: (piece, sources) => {
-        pieces.push(appendToken(reply, piece, sources));
+      onToken: (text, sources) => {
+        answer.add(text, sources);
         timing.token(Math.max(sources.length, 1));
-        showLive(timing, usage, pieces);
+        showLive(timing, usage, answer.pieces);
       },
-      onUsage: (figures) => { usage = figures; showLive(timing, usage, pieces); },
+      onUsage: (figures) => { usage = figures; showLive(timing, usage, answer.pieces); },
     });
-    announce(`Answered: ${summary(pieces).text}.`);
+    announce(`Answered: ${summary(answer.pieces).text}.`);
   } catch (error) {
     if (error.name !== "AbortError") {
       showError(error.message);
@@ -305,8 +406,10 @@ async function send() {
     page.running = null;
     busy(false);
   }
-  addSummary(reply, pieces);
-  page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply.textContent, pieces });
+  answer.show();
+  addSummary(reply, answer.pieces);
+  page.messages.push({ role: "user", content: text },
+    { role: "assistant", content: answer.text, pieces: answer.pieces });
   saveConversation();
   $("prompt").focus();
 }
@@ -335,24 +438,24 @@ async function compare() {
   busy(true);
   try {
     for (const kind of ["speculative", "plain"]) {
-      const target = $(`${kind}-text`);
       $(`${kind}-figures`).textContent = "decoding…";
       const timing = new Timing();
-      const pieces = [];
+      const answer = new Answer($(`${kind}-text`));
       await chat(messages, sampling, {
         speculation: kind === "speculative", cacheSalt: `compare-${kind}-${Math.random()}`,
         signal: page.running.signal,
-        onToken: (piece, sources) => { pieces.push(appendToken(target, piece, sources)); timing.token(Math.max(sources.length, 1)); },
+        onToken: (text, sources) => { answer.add(text, sources); timing.token(Math.max(sources.length, 1)); },
         onUsage: () => {},
       });
-      runs[kind] = { text: target.textContent, timing };
-      $(`${kind}-figures`).textContent = `${summary(pieces).text} in ${fixed(timing.seconds, 2)} s `
+      answer.show();
+      runs[kind] = { text: answer.text, timing };
+      $(`${kind}-figures`).textContent = `${summary(answer.pieces).text} in ${fixed(timing.seconds, 2)} s `
         + `(first after ${fixed(timing.ttft, 2)} s; ${fixed(timing.rate, 1)} tokens/s after it)`;
     }
     const same = runs.plain.text === runs.speculative.text;
     const speedup = runs.speculative.timing.seconds ? runs.plain.timing.seconds / runs.speculative.timing.seconds : null;
     const verdict = (same ? "The same text" : "The texts differ: expected only where the target's verify passes are"
-      + " not row-invariant (unquantized bf16 weights, see the README); anywhere else, please report it")
+      + " not row-invariant (unquantized bf16 weights, see docs/API.md); anywhere else, please report it")
       + ` with seed ${sampling.seed}; speculative decoding was ${fixed(speedup, 2)}x as fast, end to end.`;
     $("comparison-verdict").textContent = verdict;
     announce(verdict);
