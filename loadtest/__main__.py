@@ -10,22 +10,24 @@ import platform
 import shlex
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from specdec_tools.bench.results import cpu_info
 from specdec_tools.bench.prompts import DEFAULT_PROMPTS, load_prompts, stratified
-from specdec_tools.bench.workloads import workloads
+from specdec_tools.cpu import cpu_info
+
+from .report import markdown, plot
+from .runner import Load, Target, level_prompts, parse_target, sweep
 
 SINGLE_TURN_WORKLOADS = ("code-edit",)  # bench workloads of one request each, sent without a schema
 
 
 def workload_prompts(name: str) -> list[str]:
     """Every request of a single-turn bench workload, in its order."""
+    from specdec_tools.bench.workloads import workloads  # the bench's engine (torch) only for this
+
     sessions = workloads(DEFAULT_PROMPTS)[name].sessions(10**6)
     return [next(session()).text for session in sessions]
-
-from .report import markdown, plot
-from .runner import Load, Target, level_prompts, parse_target, sweep
 
 
 def _numbers(text: str) -> list[float]:
@@ -56,8 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300, help="seconds after which a request counts as an error")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with Spec-Bench's 'turns' (first turn used) or 'prompt'")
-    p.add_argument("--workload", choices=SINGLE_TURN_WORKLOADS,
+    sources = p.add_mutually_exclusive_group()
+    sources.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with Spec-Bench's 'turns' (first turn used) or 'prompt'")
+    sources.add_argument("--workload", choices=SINGLE_TURN_WORKLOADS,
                    help="send this bench workload's requests instead of --prompts' (code-edit: 20 functions to change)")
     p.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts of the file's round-robin order: "
                    "a second run on the same server sends prompts the first did not (the report names the next offset)")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
         "command": command,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
         # Other work on the machine moves every figure: its load average before and after says how much.
         "machine": {**cpu_info(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_average": [load_before, os.getloadavg()]},

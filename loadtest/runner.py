@@ -110,8 +110,9 @@ def level_prompts(pool: Sequence[str], levels: int, requests: int, offset: int) 
         raise ValueError("the prompts file holds no prompts")
     end = offset + levels * requests
     order = [pool[i % len(pool)] for i in range(offset, end)]
+    # Every request past the file's end repeats one (from where this run started past it, if it did).
     return LevelPrompts([order[i * requests:(i + 1) * requests] for i in range(levels)], end,
-                        max(0, end - len(pool)))
+                        max(0, end - max(offset, len(pool))))
 
 
 def parse_target(text: str) -> Target:
@@ -255,6 +256,8 @@ async def sweep(
 ) -> list[dict]:
     """Each level on each target in turn: targets interleaved per level, so that drift hits all alike;
     `prompts[i]` are level i's (at least its requests), the same for each target and in the same order."""
+    if len(prompts) != len(loads) or any(len(texts) < load.requests for texts, load in zip(prompts, loads)):
+        raise ValueError("sweep needs one list of prompts per level, each with at least that level's requests")
     levels = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # One connection per in-flight request: the pool must not queue requests on the client side. None kept
@@ -263,7 +266,7 @@ async def sweep(
     with httpx.Client(timeout=30, headers=headers, limits=limits) as sync:
         models = {t.label: model_of(sync, t) for t in targets}
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
-            for load, level_texts in zip(loads, prompts, strict=True):
+            for load, level_texts in zip(loads, prompts):
                 for target in targets:
                     texts = iter(level_texts)
 

@@ -108,7 +108,7 @@ class SpeculationConfig(Section):
     gamma: int | None = Field(None, ge=0, description="Fixed gamma; null lets the controller choose from measurements")
     max_speculative_batch: int = Field(16, ge=0, description="Batches larger than this always decode plainly")
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="n-gram / prompt-lookup settings")
-    unseeded_rule: Literal["rejection", "gumbel"] = Field("rejection", description="How sampled requests without a seed are verified: rejection (rejection sampling, which keeps more of a sampling draft model's tokens: docs/BENCHMARKS.md, rules) or gumbel (draws keyed by position). Seeded requests always take gumbel, which returns plain decoding's text for their seed")
+    unseeded_rule: Literal["rejection", "gumbel"] = Field("rejection", description="How sampled requests without a seed are verified: rejection (rejection sampling, which keeps more of a sampling draft model's tokens: docs/benchmarks/NOTES.md, Invisible speculation) or gumbel (draws keyed by position). Seeded requests always take gumbel, which returns plain decoding's text for their seed")
     early_exit: float = Field(0.0, ge=0, le=1, description="Model drafters stop a row's draft when their top probability falls under this; 0 never stops early")
     vocab_size: int | None = Field(None, ge=1, description="Model drafters predict over the target's this many most frequent tokens (counted over Python's stdlib); null: all (measured: on chat prompts a reduced set lost more acceptance than it saved)")
     suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="suffix (SuffixDecoding) settings: trees from the request's own text and earlier requests' outputs")

@@ -7,11 +7,11 @@ import argparse
 import json
 import shlex
 import sys
-import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from .bench.prompts import DEFAULT_PROMPTS
-from .bench.results import cpu_info
+from .cpu import cpu_info
 
 
 def parser(doc: str, prompts: int | None = 10) -> argparse.ArgumentParser:
@@ -34,5 +34,5 @@ def report(result: dict, out: Path | None, tool: str, argv: list[str] | None) ->
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         command = shlex.join(["python", "-m", tool, *(sys.argv[1:] if argv is None else argv)])
-        stamp = {"command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": cpu_info()}
+        stamp = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": cpu_info()}
         out.write_text(json.dumps({**stamp, **result}, indent=2) + "\n")

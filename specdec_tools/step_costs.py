@@ -308,7 +308,7 @@ def measure(args) -> dict:
     prefills = prefill_rates(runners, prefill_lengths, args.reps, config) if prefill_lengths else {}
     chunks = chunk_costs(runners[steps[0]], chunk_rows, [int(p) for p in args.chunk_contexts.split(",")], args.reps) if chunk_rows else None
     result = {
-        **what, "kernel_family": vnni.family(), "device": str(target.device), "device_name": _device_name(target.device),
+        **what, "kernel_family": vnni.family(), "kernel_forced": vnni.isa(), "device": str(target.device), "device_name": _device_name(target.device),
         "row_invariant": target.row_invariant, "context": args.context, "reps": args.reps,
         "pass_ms": passes, "draft_step_ms": drafts,
         "verify_over_plain": {step: {k: ms / by_k[lengths[0]] for k, ms in by_k.items()} for step, by_k in passes.items()},

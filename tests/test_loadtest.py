@@ -54,6 +54,8 @@ def test_each_level_and_a_later_run_send_prompts_not_sent_before():
     wrapped = level_prompts(pool, levels=2, requests=3, offset=6)  # 6..11: prompts 0 and 1 again
     assert wrapped.per_level[1] == ["prompt 9", "prompt 0", "prompt 1"] and wrapped.repeated == 2
     assert "2 requests repeated a prompt" in wrapped.summary()
+    past_the_end = level_prompts(pool, levels=1, requests=4, offset=12)  # every one sent before, none more than that
+    assert past_the_end.per_level == [["prompt 2", "prompt 3", "prompt 4", "prompt 5"]] and past_the_end.repeated == 4
 
 
 def test_the_code_edit_workload_is_a_prompt_source():

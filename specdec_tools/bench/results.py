@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..cpu import cpu_info
 from .prompts import Prompt
 from .runner import Run
 from .stats import PLAIN, share, summary
@@ -188,21 +189,6 @@ def plain_sequences(runs: Sequence[Run], prompt_ids: Callable[[Prompt], list[int
             seen.setdefault(prompt.id, {"id": prompt.id, "category": prompt.category,
                                         "prompt_ids": prompt_ids(prompt), "output_ids": output})
     return list(seen.values())
-
-
-def cpu_info() -> dict:
-    """The CPU's name and the flags that place it among the project's CPU kinds (docs/BENCHMARKS.md)."""
-    cpu, flags = platform.processor() or "unknown", []
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                # The ones that decide bf16 speed on CPU (MODELS.md): AVX-512 bf16 and AMX tiles.
-                flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in value.split()]
-    return {"cpu": cpu, "cpu_flags": flags}
 
 
 def machine(dtype: str, device: str) -> dict:
