@@ -215,7 +215,9 @@ def loadtest_lines(runs: list[Run], cite: References) -> list[str]:
     for (kind, source, _), (run, _) in sorted(chosen.items()):
         baseline = run.data.get("baseline")
         reference = {lv["level"]: lv["output_tokens_per_s"] for lv in run.data["levels"] if lv["target"] == baseline}
-        lines += [f"### {kind}: {source}, {run.data['max_tokens']} tokens {cite(run)}", "",
+        levels = ", ".join(f"{level:g}" for level in sorted({lv["level"] for lv in run.data["levels"]}))
+        lines += [f"### {kind}: {source}, {run.data['max_tokens']} tokens, users {levels}, against "
+                  f"{', '.join(t for t in run.data['targets'] if t != 'specdec')} {cite(run)}", "",
                   f"| users | target | tok/s | over {baseline or 'baseline'} | acceptance | TTFT p50 ms | ok / sent |",
                   "|---|---|---|---|---|---|---|"]
         for lv in run.data["levels"]:
