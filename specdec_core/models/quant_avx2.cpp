@@ -218,9 +218,10 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, co
       __m256i scale[2][kParts];  // per half of the group (Q4_K: both the same)
       for (int h = 0; h < 2; ++h)
         for (int p = 0; p < kParts; ++p) scale[h][p] = kVnni ? sub_scale<bits>(sub, j, h, p) : twice(sub_scale<bits>(sub, j, h, p));
-      __m256i dot[tokens][kParts][2];  // VNNI: int32 per half; AVX2: int16 pair sums since the last widening
+      __m256i dot[tokens][kParts][kHalves<bits>];  // VNNI: int32 per sub-scale; AVX2: int16 pair sums since the last widening
       for (int t = 0; t < tokens; ++t)
-        for (int p = 0; p < kParts; ++p) dot[t][p][0] = dot[t][p][1] = _mm256_setzero_si256();
+        for (int p = 0; p < kParts; ++p)
+          for (int h = 0; h < kHalves<bits>; ++h) dot[t][p][h] = _mm256_setzero_si256();
 #pragma GCC unroll 8  // dot[t][p][i / 4] indexed at compile time, in registers
       for (int i = 0; i < 8; ++i) {
         __m256i op[kParts];
@@ -231,7 +232,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, co
           const __m256i a = _mm256_set1_epi32(four);
           for (int p = 0; p < kParts; ++p) {
 #ifdef SPECDEC_AVX_VNNI
-            dot[t][p][i / 4] = _mm256_dpbusd_avx_epi32(dot[t][p][i / 4], op[p], a);
+            dot[t][p][i / 4 % kHalves<bits>] = _mm256_dpbusd_avx_epi32(dot[t][p][i / 4 % kHalves<bits>], op[p], a);
 #else
             dot[t][p][0] = _mm256_add_epi16(dot[t][p][0], _mm256_maddubs_epi16(op[p], a));
             if (bits == 6 && i % 2 == 1) {  // Q6_K: widen every 2 operands, before int16 could overflow
@@ -245,7 +246,7 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, co
       for (int t = 0; t < tokens; ++t) {
         for (int p = 0; p < kParts; ++p) {
           if constexpr (kVnni) {
-            tot[t][p] = _mm256_add_epi32(tot[t][p], bits == 4 ? _mm256_mullo_epi32(_mm256_add_epi32(dot[t][p][0], dot[t][p][1]), scale[0][p])
+            tot[t][p] = _mm256_add_epi32(tot[t][p], bits == 4 ? _mm256_mullo_epi32(dot[t][p][0], scale[0][p])
                                                               : _mm256_add_epi32(_mm256_mullo_epi32(dot[t][p][0], scale[0][p]),
                                                                                  _mm256_mullo_epi32(dot[t][p][1], scale[1][p])));
           } else if constexpr (bits == 4) {

@@ -190,9 +190,9 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, co
     for (int j = 0; j < 8; ++j) {
       if (source != Codes::kUnpacked) prefetch_super<bits>(w, dm, j);
       const uint8_t* codes = w + j * group_bytes<bits>();
-      __m512i dot[tokens][2][chains];
+      __m512i dot[tokens][kHalves<bits>][chains];
       for (int t = 0; t < tokens; ++t)
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < kHalves<bits>; ++h)
           for (int c = 0; c < chains; ++c) dot[t][h][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8  // else dot[t][i / 4] is indexed at run time and lives in memory: 8-row passes took 2x the time
       for (int i = 0; i < 8; ++i) {
@@ -200,18 +200,18 @@ void super_block(const PassInputs& in, int64_t t0, int64_t nb, uint8_t* kept, co
         for (int t = 0; t < tokens; ++t) {
           int32_t four;
           std::memcpy(&four, in.codes + (t0 + t) * in.k + s * kSuper + j * kGroup + 4 * i, 4);
-          dot[t][i / 4][i % chains] = _mm512_dpbusd_epi32(dot[t][i / 4][i % chains], op, _mm512_set1_epi32(four));
+          dot[t][i / 4 % kHalves<bits>][i % chains] = _mm512_dpbusd_epi32(dot[t][i / 4 % kHalves<bits>][i % chains], op, _mm512_set1_epi32(four));
         }
       }
       const __m512i low = sub_scale<bits>(sub, j, 0, 0), high = sub_scale<bits>(sub, j, 1, 0);
       for (int t = 0; t < tokens; ++t) {
-        __m512i half[2];
-        for (int h = 0; h < 2; ++h) {
+        __m512i half[kHalves<bits>];
+        for (int h = 0; h < kHalves<bits>; ++h) {
           half[h] = dot[t][h][0];
           for (int c = 1; c < chains; ++c) half[h] = _mm512_add_epi32(half[h], dot[t][h][c]);
         }
-        const __m512i scaled = bits == 4 ? _mm512_mullo_epi32(_mm512_add_epi32(half[0], half[1]), low)
-                                         : _mm512_add_epi32(_mm512_mullo_epi32(half[0], low), _mm512_mullo_epi32(half[1], high));
+        const __m512i scaled = kHalves<bits> == 1 ? _mm512_mullo_epi32(half[0], low)
+                                           : _mm512_add_epi32(_mm512_mullo_epi32(half[0], low), _mm512_mullo_epi32(half[1], high));
         tot[t] = _mm512_add_epi32(tot[t], scaled);
       }
     }

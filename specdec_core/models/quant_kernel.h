@@ -62,6 +62,10 @@ constexpr int64_t super_bytes() { return 8 * group_bytes<bits>() + (bits == 4 ? 
 // A K format's float16 scales per super-block of one 16-row block in scale_min: Q4_K's d and dmin, Q6_K's d alone.
 template <int bits>
 constexpr int64_t super_scales() { return bits == 4 ? 32 : 16; }
+// A K format's integer sums a group keeps apart per row and part, one per sub-scale (Q4_K's covers the group's 32
+// inputs, Q6_K's 16): no more, so that a register block of rows keeps its sums in registers.
+template <int bits>
+constexpr int kHalves = bits == 4 ? 1 : 2;
 
 // f(std::integral_constant<int, count>{}) for a count in 1..most: a pass's row count as a compile-time one.
 template <int most, typename F>
