@@ -19,6 +19,15 @@ class DataSettings:
 
 
 @dataclass(frozen=True)
+class AnswerSettings:
+    """How the data engine answers its prompts (train/answers.py); a run resumes only with the same."""
+
+    answer_tokens: int = 384  # longest answer: Spec-Bench's first turns are judged at 128-256 tokens
+    batch: int = 32  # rows decoded together: 32 answered 1.09x the tokens a second of 16 (32 prompts, 128 tokens)
+    shard_prompts: int = 64  # prompts a shard: a stopped run loses at most the shard under way
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """How Medusa heads are trained (the data is `DataSettings`)."""
 
