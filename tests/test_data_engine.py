@@ -1,6 +1,6 @@
-"""The data engine's prompts and answers (train/task_prompts.py, train/answers.py): prompts from real code and
-tasks that share nothing with Spec-Bench, answers that equal plain decoding's whatever the batch, and a stopped
-run that resumes at any shard to the same files."""
+"""The data engine (train/task_prompts.py, answers.py, depth_features.py): prompts from real code and tasks that
+share nothing with Spec-Bench, answers that equal plain decoding's whatever the batch, a stopped run that resumes
+at any shard to the same files, and the target's features at three depths made once per answers shard."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from specdec_cli.main import main
 from specdec_core.config import Config
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_tools.train import answers as answers_module
+from specdec_tools.train import depth_features
 from specdec_tools.train.answers import MismatchedRun, Shard, answer
 from specdec_tools.train.settings import AnswerSettings
 from specdec_tools.train.task_prompts import build_prompts, read_prompts, write_prompts
@@ -141,3 +143,47 @@ def test_cli_answers_and_reports(tmp_path, prompts_file, capsys):
     assert "2 shards" in out and "answer tokens/s" in out
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["target"] == "tiny-random-llama" and manifest["settings"]["answer_tokens"] == 12
+
+
+def test_cli_features_report_or_say_what_to_run_first(tmp_path, prompts_file, capsys, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    assert main(["train", "features", "--config", CONFIG, "--answers", str(tmp_path / "none")]) == 2
+    assert "specdec train answers" in capsys.readouterr().err
+    answer(Config.load(CONFIG), tmp_path / "run", prompts_file, 2, SETTINGS, progress=False)
+    assert main(["train", "features", "--config", CONFIG, "--answers", str(tmp_path / "run")]) == 0
+    assert "1 shards" in capsys.readouterr().out
+
+
+# -- depth features --------------------------------------------------------------
+
+
+def test_depth_features_are_the_targets_layer_outputs_made_once_per_answers_shard(tmp_path, prompts_file, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    config = Config.load(CONFIG)
+    runner = load_runner(config.model.target, config.model)
+    answers = tmp_path / "answers"
+    answer(config, answers, prompts_file, 4, SETTINGS, progress=False)
+    made = []
+    shard_features = depth_features.shard_features
+    monkeypatch.setattr(depth_features, "shard_features", lambda r, shard, bar: made.append(shard.ids) or shard_features(r, shard, bar))
+    directory = depth_features.extract(runner, answers, progress=False)
+    assert made == [[0, 1], [2, 3]]
+    shards = depth_features.load_features(directory)
+    shard = Shard.load(answers / "shard-00000.npz")
+    ids = shard.prompts[0] + shard.answers[0]
+    with torch.no_grad():
+        out = runner.model(torch.tensor([ids]), output_hidden_states=True)
+    low, middle, high = depth_features.depths(runner.config.num_hidden_layers)
+    first = slice(0, len(ids))
+    for key, depth in (("low", low), ("middle", middle), ("high", high)):
+        assert torch.equal(shards[0][key][first], out.hidden_states[depth][0]), key
+    assert torch.equal(runner.model.get_output_embeddings()(shards[0]["last"][first]), out.logits[0])
+    assert shards[0]["answer_starts"].tolist() == [len(p) for p in shard.prompts]
+    assert shards[0]["lengths"].sum() == len(shards[0]["tokens"]) == len(shards[0]["high"])
+
+    answer(config, answers, prompts_file, 6, SETTINGS, progress=False)  # the run went on: one shard more
+    depth_features.extract(runner, answers, progress=False)
+    assert made == [[0, 1], [2, 3], [4, 5]]
+    Shard([0], [[1, 2]], [[3]]).save(answers / "shard-00000.npz")  # an answers shard remade: its features too
+    depth_features.extract(runner, answers, progress=False)
+    assert made[-1] == [0] and len(made) == 4

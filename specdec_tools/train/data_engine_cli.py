@@ -1,8 +1,9 @@
-"""`specdec train prompts` and `specdec train answers`: the data engine's prompts and the target's answers to
-them (task_prompts.py, answers.py), importable without torch (the CLI's parser reads their defaults)."""
+"""The data engine's subcommands: `specdec train prompts`, `answers` and `features` (task_prompts.py, answers.py,
+depth_features.py), importable without torch (the CLI's parser reads their defaults)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ PROMPTS_FILE = "data/train/prompts.jsonl.gz"
 
 
 def add_arguments(trainers) -> None:
-    """`prompts` and `answers` as subcommands of `specdec train` (`trainers`: the train command's subparsers)."""
+    """`prompts`, `answers` and `features` as subcommands of `specdec train` (`trainers`: its subparsers)."""
     p = trainers.add_parser("prompts", help="write the data engine's task prompts (standard-library code, general tasks)")
     p.add_argument("--code", type=int, default=5000, help="code tasks (default: %(default)s)")
     p.add_argument("--general", type=int, default=3000, help="general instructions (default: %(default)s)")
@@ -31,6 +32,11 @@ def add_arguments(trainers) -> None:
     p.add_argument("--batch", type=int, default=DEFAULTS.batch, help="rows decoded together (default: %(default)s)")
     p.add_argument("--shard-prompts", type=int, default=DEFAULTS.shard_prompts, help="prompts a shard (default: %(default)s)")
     p.set_defaults(func=answers_command)
+
+    p = trainers.add_parser("features", help="the target's hidden states at three depths over its answers (EAGLE-3's inputs)")
+    p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
+    p.add_argument("--answers", type=Path, help="the answers' directory (default: data/train/answers/<target>)")
+    p.set_defaults(func=features_command)
 
 
 def prompts_command(args) -> int:
@@ -61,4 +67,27 @@ def answers_command(args) -> int:
         print(f"{out}: {len(manifest['shards'])} shards, {totals['answer_tokens']:,} answer tokens "
               f"({totals['positions']:,} positions) in {totals['seconds'] / 3600:.2f} h, "
               f"{totals['answer_tokens'] / totals['seconds']:.1f} answer tokens/s")
+    return 0
+
+
+def features_command(args) -> int:
+    from specdec_core.config import Config
+    from specdec_core.models.loading import load_runner
+
+    from .answers import ANSWERS_DIR
+    from .depth_features import extract
+
+    logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
+    config = Config.load(args.config)
+    runner = load_runner(config.model.target, config.model)
+    try:
+        directory = extract(runner, args.answers or ANSWERS_DIR / config.model.target)
+    except FileNotFoundError as error:
+        print(f"specdec train features: {error}", file=sys.stderr)
+        return 2
+    meta = json.loads((directory / "meta.json").read_text())
+    positions = sum(entry["positions"] for entry in meta["shards"].values())
+    seconds = sum(entry["seconds"] for entry in meta["shards"].values())
+    print(f"{directory}: {len(meta['shards'])} shards, {positions:,} positions, {positions / seconds:.1f} positions/s "
+          f"(depths {meta['depths']})")
     return 0
