@@ -65,6 +65,7 @@ class ArtifactKind:
 
 HEADS = ArtifactKind("Medusa heads", "heads", "heads", "medusa", "medusa")
 EAGLE = ArtifactKind("EAGLE network", "eagle", "eagle", "eagle", "eagle")
+EAGLE3 = ArtifactKind("EAGLE-3 drafter", "eagle3", "eagle3", "eagle3", "eagle3")
 STUDENT = ArtifactKind("distilled student", "students", "student", "distill", "distilled")
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-from . import data_engine_cli, distill_cli, eagle_cli, medusa_cli
+from . import data_engine_cli, distill_cli, eagle3_cli, eagle_cli, medusa_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The trainers, as subcommands of `parser`."""
     trainers = parser.add_subparsers(dest="trainer", required=True, metavar="TRAINER")
-    for trainer in (medusa_cli, distill_cli, eagle_cli, data_engine_cli):
+    for trainer in (medusa_cli, distill_cli, eagle_cli, data_engine_cli, eagle3_cli):
         trainer.add_arguments(trainers)

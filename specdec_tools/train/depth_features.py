@@ -8,7 +8,8 @@ outputs of decoder layers 2, N/2 and N-3 of N (counted from 1), as SpecForge tak
     <cache root>/depth-features/<target>/<key>/
         features-NNNNN.safetensors   low, middle, high, last [n, H] (the model's dtype), tokens [n] int64,
                                      lengths [S] int64 (the shard's sequences, prompt and answer),
-                                     answer_starts [S] int64 (where each sequence's answer begins)
+                                     answer_starts [S] int64 (where each sequence's answer begins),
+                                     ids [S] int64 (the prompts' ids)
         meta.json                    target, dtype, depths, per shard: its answers shard's sha256, positions,
                                      seconds
 
@@ -38,8 +39,9 @@ FORMAT = "specdec-depth-features-1"
 
 
 def depths(num_layers: int) -> tuple[int, int, int]:
-    """The decoder layers (counted from 1) whose outputs EAGLE-3 reads: low, middle, high."""
-    return 2, num_layers // 2, num_layers - 3
+    """The decoder layers (counted from 1) whose outputs EAGLE-3 reads: low, middle, high (within the model: a
+    two-layer test model reads layers 2, 1 and 1)."""
+    return min(2, num_layers), max(num_layers // 2, 1), max(num_layers - 3, 1)
 
 
 def features_dir(runner: ModelRunner) -> Path:
@@ -69,6 +71,7 @@ def shard_features(runner: ModelRunner, shard: Shard, bar: tqdm) -> dict[str, to
         "tokens": torch.tensor([t for p, a in zip(shard.prompts, shard.answers) for t in p + a]),
         "lengths": torch.tensor([len(p) + len(a) for p, a in zip(shard.prompts, shard.answers)]),
         "answer_starts": torch.tensor([len(p) for p in shard.prompts]),
+        "ids": torch.tensor(shard.ids),
     }
 
 

@@ -32,7 +32,7 @@ def save_checkpoint(path: Path, module: nn.Module, optimizer, scheduler, step: i
     tmp.replace(path)
 
 
-def _restore(path: Path, identity: dict, module: nn.Module, optimizer, scheduler) -> tuple[int, list[float]]:
+def restore_checkpoint(path: Path, identity: dict, module: nn.Module, optimizer, scheduler) -> tuple[int, list[float]]:
     """Load a checkpoint into the objects; its step and finished epochs' losses."""
     state = torch.load(path, weights_only=True)
     if state["identity"] != identity:
@@ -54,7 +54,7 @@ def fit(module: nn.Module, count: int, loss_of: Callable[[torch.Tensor], torch.T
     total_steps = steps_per_epoch * settings.epochs
     optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    step, epoch_losses = _restore(checkpoint, identity, module, optimizer, scheduler) if resume and checkpoint.is_file() else (0, [])
+    step, epoch_losses = restore_checkpoint(checkpoint, identity, module, optimizer, scheduler) if resume and checkpoint.is_file() else (0, [])
     if step:
         log.info("resuming from %s at step %d of %d", checkpoint, step, total_steps)
     with tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not progress) as bar:

@@ -56,6 +56,22 @@ class EagleSettings:
 
 
 @dataclass(frozen=True)
+class Eagle3Settings:
+    """How EAGLE-3's drafter is trained on the depth features (train/eagle3.py)."""
+
+    steps: int = 5  # training-time test's steps: drafts deep (the default gamma_max)
+    decay: float = 0.8  # step k's loss weight is decay ** k
+    vocab_size: int = 16384  # draft vocabulary: the most frequent tokens of the target's answers
+    intermediate_size: int = 3072  # the layer's MLP width (the 1.5B's is 8960): a draft step must stay cheap
+    epochs: int = 1
+    lr: float = 2e-4
+    batch_sequences: int = 4  # sequences per optimizer step
+    heldout_every: int = 20  # one prompt in n is held out (by its id)
+    save_every: int = 50  # batches between checkpoints
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class DistillSettings:
     """How a student is distilled (the data is `DataSettings`)."""
 

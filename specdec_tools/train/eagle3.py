@@ -1,0 +1,227 @@
+"""Training EAGLE-3's drafter (models/eagle3_net.py) on the depth features of the target's own answers
+(depth_features.py), with the training-time test.
+
+Per sequence (a prompt and the target's greedy answer), step k of the test feeds slot t the token t+1+k and
+scores the output against the target's distribution at position t+1+k, over the draft vocabulary (its rows of the
+target's output layer applied to the stored last hidden state, renormalized there, as SpecForge does). A slot
+counts where the token it drafts lies in the answer and in the draft vocabulary; the loss is the soft
+cross-entropy, step k weighted by decay ** k. Accuracy at step k: the draft's argmax is the answer's token (the
+target's own argmax, the answer being greedy), given the real tokens before it: about the chance that draft k is
+kept when drafts 1..k-1 were. The expected accepted length of a chain of `steps` drafts is then
+1 + sum over k of the product of the accuracies up to k.
+
+The draft vocabulary is the `vocab_size` most frequent tokens of the answers (EOS always among them).
+
+Shards are read one at a time (24 GB at 2M positions do not fit in memory): an epoch visits the shards in a seeded
+order and each shard's training sequences in a seeded order, `batch_sequences` a batch. A checkpoint beside the
+output (the network, the optimizer, the batches done) is written every `save_every` batches; a resumed run
+recomputes the order and skips the batches done, so it continues exactly. Held out: the prompts whose id is
+heldout_every // 2 modulo heldout_every.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from specdec_core.models.artifacts import EAGLE3, artifact_dir, checkpoint_path, save_artifact
+from specdec_core.models.eagle3_net import Eagle3Net, ttt_step
+from specdec_core.models.runner import ModelRunner
+from specdec_core.models.vocab import ReducedVocab
+
+from . import loop
+from .answers import Shard
+from .settings import Eagle3Settings
+
+Sequence = dict[str, torch.Tensor]  # low, middle, high, last [T, H]; tokens [T]; answer_start []
+
+
+def draft_vocab(answers: Path, size: int, full_size: int, always: set[int]) -> ReducedVocab:
+    """The `size` most frequent tokens of the answers in `answers` (prompts not counted), `always` among them."""
+    counts = torch.zeros(full_size)
+    for path in sorted(answers.glob("shard-*.npz")):
+        for answer in Shard.load(path).answers:
+            counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=full_size)[:full_size]
+    return ReducedVocab.most_frequent(counts, min(size, full_size), always)
+
+
+def shard_sequences(path: Path, heldout: bool, settings: Eagle3Settings) -> list[Sequence]:
+    """The training (or held-out) sequences of one features shard."""
+    data = load_file(str(path))
+    lengths = data["lengths"].tolist()
+    parts = {key: data[key].split(lengths) for key in ("low", "middle", "high", "last", "tokens")}
+    keep = [i for i, pid in enumerate(data["ids"].tolist()) if (pid % settings.heldout_every == settings.heldout_every // 2) == heldout]
+    return [{**{key: parts[key][i] for key in parts}, "answer_start": data["answer_starts"][i]} for i in keep]
+
+
+@dataclasses.dataclass
+class Batch:
+    """Padded sequences: features and tokens per slot, and what each step scores."""
+
+    low: torch.Tensor  # [B, T, H] (and middle, high)
+    middle: torch.Tensor
+    high: torch.Tensor
+    tokens: torch.Tensor  # [B, T + steps + 1]: the sequence's tokens, then padding
+    valid: torch.Tensor  # [B, T] a real position
+    probs: torch.Tensor  # [B, T + steps + 1, V']: the target's distribution over the draft vocabulary at each position
+    labels: torch.Tensor  # [B, T + steps + 1]: draft-vocabulary index of the token after each position; -1 not scored
+
+
+def make_batch(sequences: list[Sequence], vocab: ReducedVocab, head: torch.nn.Linear, steps: int) -> Batch:
+    """`sequences` padded together; `head`: the target's output rows for the draft vocabulary."""
+    width = max(len(s["tokens"]) for s in sequences)
+    hidden = sequences[0]["low"].shape[1]
+    index = torch.full((vocab.full_size,), -1, dtype=torch.long)
+    index[vocab.ids] = torch.arange(vocab.size)
+    batch = len(sequences)
+    out = {key: torch.zeros(batch, width, hidden) for key in ("low", "middle", "high")}
+    tokens = torch.zeros(batch, width + steps + 1, dtype=torch.long)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    last = torch.zeros(batch, width + steps + 1, hidden)
+    labels = torch.full((batch, width + steps + 1), -1, dtype=torch.long)
+    for row, s in enumerate(sequences):
+        n = len(s["tokens"])
+        for key in out:
+            out[key][row, :n] = s[key].float()
+        tokens[row, :n] = s["tokens"]
+        valid[row, :n] = True
+        last[row, :n] = s["last"].float()
+        # Position p is scored by the token p + 1 the target answered with (its argmax: the answers are greedy).
+        first = max(int(s["answer_start"]), 1)
+        labels[row, first - 1 : n - 1] = index[s["tokens"][first:]]
+    with torch.no_grad():
+        probs = F.softmax(head(last), dim=-1)
+    return Batch(out["low"], out["middle"], out["high"], tokens, valid, probs, labels)
+
+
+def ttt_loss(net: Eagle3Net, batch: Batch, settings: Eagle3Settings) -> tuple[torch.Tensor, list[float], list[int]]:
+    """The training-time test's weighted loss over `settings.steps` steps, and per step the accuracy and the slots
+    scored."""
+    width = batch.valid.shape[1]
+    hidden, past = net.fuse(batch.low, batch.middle, batch.high), None
+    total = torch.zeros(())
+    accuracy, counted = [], []
+    for step in range(settings.steps):
+        hidden, past = ttt_step(net, hidden, batch.tokens[:, 1 + step : 1 + step + width], batch.valid, step, past)
+        at = slice(1 + step, 1 + step + width)  # slot t drafts the token after position t + 1 + step
+        labels = batch.labels[:, at]
+        scored = (labels >= 0) & batch.valid
+        logits = net.logits(hidden)[scored]
+        if scored.any():
+            total = total + settings.decay ** step * -(batch.probs[:, at][scored] * F.log_softmax(logits, -1)).sum(-1).mean()
+        accuracy.append(float((logits.argmax(-1) == labels[scored]).float().mean()) if scored.any() else math.nan)
+        counted.append(int(scored.sum()))
+    return total, accuracy, counted
+
+
+def expected_length(accuracy: list[float]) -> float:
+    """1 + the sum over k of the product of the step accuracies up to k: a chain's expected accepted length."""
+    length, kept = 1.0, 1.0
+    for value in accuracy:
+        kept *= value
+        length += kept
+    return length
+
+
+def batches(files: list[Path], epoch: int, settings: Eagle3Settings) -> Iterator[list[Sequence]]:
+    """An epoch's training batches: shards in a seeded order, each shard's sequences in a seeded order."""
+    generator = torch.Generator().manual_seed(settings.seed + epoch)
+    for shard in torch.randperm(len(files), generator=generator).tolist():
+        sequences = shard_sequences(files[shard], False, settings)
+        order = torch.randperm(len(sequences), generator=generator).tolist()
+        for start in range(0, len(order), settings.batch_sequences):
+            yield [sequences[i] for i in order[start : start + settings.batch_sequences]]
+
+
+def batches_per_epoch(files: list[Path], settings: Eagle3Settings) -> int:
+    """How many batches an epoch has, from the shards' prompt ids alone (safetensors reads one tensor)."""
+    total = 0
+    for path in files:
+        with safe_open(str(path), "pt") as shard:
+            ids = shard.get_tensor("ids")
+        count = int((ids % settings.heldout_every != settings.heldout_every // 2).sum())
+        total += -(-count // settings.batch_sequences)
+    return total
+
+
+@torch.no_grad()
+def heldout_figures(net: Eagle3Net, files: list[Path], vocab: ReducedVocab, head: torch.nn.Linear,
+                    settings: Eagle3Settings) -> dict:
+    """Per-step accuracy over the held-out sequences (weighted by slots scored) and the expected accepted length."""
+    right, counted = [0.0] * settings.steps, [0] * settings.steps
+    for path in files:
+        sequences = shard_sequences(path, True, settings)
+        for start in range(0, len(sequences), settings.batch_sequences):
+            batch = make_batch(sequences[start : start + settings.batch_sequences], vocab, head, settings.steps)
+            _, accuracy, scored = ttt_loss(net, batch, settings)
+            for k, (a, n) in enumerate(zip(accuracy, scored)):
+                right[k] += 0.0 if n == 0 else a * n
+                counted[k] += n
+    accuracy = [r / n if n else math.nan for r, n in zip(right, counted)]
+    return {"step_accuracy": [round(a, 4) for a in accuracy], "expected_length": round(expected_length(accuracy), 3),
+            "slots": counted}
+
+
+def train(runner: ModelRunner, features: Path, answers: Path, out: str | Path, settings: Eagle3Settings,
+          resume: bool = False, progress: bool = True) -> dict:
+    """Train EAGLE-3's drafter for `runner`'s target on the features in `features` (of the answers in `answers`),
+    save it as `out`; what its JSON says."""
+    directory = artifact_dir(EAGLE3, out)
+    checkpoint = checkpoint_path(directory)
+    meta = json.loads((features / "meta.json").read_text())
+    files = [features / f"{name}.safetensors" for name in sorted(meta["shards"])]
+    torch.manual_seed(settings.seed)
+    eos = runner.tokenizer.eos_token_id if runner.tokenizer is not None else None
+    vocab = draft_vocab(answers, settings.vocab_size, runner.model.get_output_embeddings().out_features,
+                        set() if eos is None else {eos})
+    net = Eagle3Net(runner.model, vocab, settings.intermediate_size).float().train()
+    head = vocab.head(runner.model.get_output_embeddings()).float()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=settings.lr)
+    total = settings.epochs * batches_per_epoch(files, settings)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    # A checkpoint continues only the run that made it: the same settings over the same shards.
+    identity = {"settings": dataclasses.asdict(settings), "shards": meta["shards"]}
+    done = 0
+    if resume and checkpoint.is_file():
+        done, _ = loop.restore_checkpoint(checkpoint, identity, net, optimizer, scheduler)
+    start, first, last, step = time.perf_counter(), None, None, 0
+    with tqdm(total=total, initial=done, desc="train eagle3", unit="batch", disable=not progress) as bar:
+        for epoch in range(settings.epochs):
+            for chosen in batches(files, epoch, settings):
+                step += 1
+                if step <= done:  # the order is the seed's: a resumed run skips exactly the batches done
+                    continue
+                loss, accuracy, _ = ttt_loss(net, make_batch(chosen, vocab, head, settings.steps), settings)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+                optimizer.step()
+                scheduler.step()
+                last = {"loss": round(loss.item(), 4), "step_accuracy": [round(a, 3) for a in accuracy]}
+                first = first or last
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", first=f"{accuracy[0]:.2f}")
+                if step % settings.save_every == 0 or step == total:
+                    loop.save_checkpoint(checkpoint, net, optimizer, scheduler, step, [], identity)
+    net.eval()
+    figures = heldout_figures(net, files, vocab, head, settings)
+    positions = sum(entry["positions"] for entry in meta["shards"].values())
+    record = {
+        "target": runner.name, "architecture": "eagle3", "depths": meta["depths"],
+        "hidden_size": net.hidden_size, "intermediate_size": net.intermediate_size,
+        "data": {"features": str(features), "answers": str(answers), "positions": positions, "shards": len(files)},
+        "train": dataclasses.asdict(settings), "batches": total, "first_batch": first, "last_batch": last, "heldout": figures,
+        "train_s": round(time.perf_counter() - start, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    tensors = {key: value.detach().contiguous() for key, value in net.state_dict().items()}
+    return save_artifact(EAGLE3, directory, tensors, record, vocab)

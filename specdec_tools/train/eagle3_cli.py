@@ -1,0 +1,57 @@
+"""`specdec train eagle3`: its arguments and entry point, importable without torch (the CLI's parser reads them)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from .settings import Eagle3Settings
+
+DEFAULTS = Eagle3Settings()
+
+
+def add_arguments(trainers) -> None:
+    """`eagle3` as a subcommand of `specdec train` (`trainers`: the train command's subparsers)."""
+    p = trainers.add_parser("eagle3", help="EAGLE-3's drafter on the target's depth features (run answers, then features)")
+    p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
+    p.add_argument("--answers", type=Path, help="the answers' directory (default: data/train/answers/<target>)")
+    p.add_argument("--out", help="name of the result, saved under <cache>/eagle3/NAME; default <target>-eagle3")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
+    for field, help_text in (("steps", "training-time test's steps"), ("epochs", "passes over the features"),
+                             ("lr", "AdamW learning rate"), ("vocab_size", "draft vocabulary"),
+                             ("intermediate_size", "the layer's MLP width"), ("batch_sequences", "sequences a batch")):
+        default = getattr(DEFAULTS, field)
+        p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default,
+                       help=f"{help_text} (default: %(default)s)")
+    p.set_defaults(func=eagle3_command)
+
+
+def eagle3_command(args) -> int:
+    from specdec_core.config import Config
+    from specdec_core.models.artifacts import EAGLE3, artifact_dir
+    from specdec_core.models.loading import load_runner
+
+    from .answers import ANSWERS_DIR
+    from .depth_features import features_dir
+    from .eagle3 import train
+
+    logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
+    config = Config.load(args.config)
+    target = config.model.target
+    runner = load_runner(target, config.model)
+    features = features_dir(runner)
+    if not (features / "meta.json").is_file():
+        print(f"specdec train eagle3: no depth features at {features}: run `specdec train features --config {args.config}`",
+              file=sys.stderr)
+        return 2
+    settings = Eagle3Settings(steps=args.steps, epochs=args.epochs, lr=args.lr, vocab_size=args.vocab_size,
+                              intermediate_size=args.intermediate_size, batch_sequences=args.batch_sequences)
+    name = args.out or EAGLE3.default_name(target)
+    meta = train(runner, features, args.answers or ANSWERS_DIR / target, name, settings, args.resume)
+    heldout = meta["heldout"]
+    print(f"eagle3 {name!r} for {target}: {meta['data']['positions']:,} positions, {meta['batches']} batches, "
+          f"{meta['train_s']} s; held out: step accuracy {heldout['step_accuracy']}, expected accepted length "
+          f"{heldout['expected_length']} over {settings.steps} drafts")
+    print(f"saved to {artifact_dir(EAGLE3, name)}", file=sys.stderr)
+    return 0

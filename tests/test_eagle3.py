@@ -1,0 +1,151 @@
+"""EAGLE-3's network (models/eagle3_net.py) and its training (train/eagle3.py) on the tiny random target: the
+training-time test computes what drafting computes; training lowers the loss, saves, and resumes exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdec_cli.main import main
+from specdec_core.config import Config
+from specdec_core.models.eagle3_net import Eagle3Net, ttt_step
+from specdec_core.models.loading import load_runner
+from specdec_core.models.vocab import ReducedVocab
+from specdec_tools.train import depth_features, loop
+from specdec_tools.train.answers import answer
+from specdec_tools.train.eagle3 import expected_length, train
+from specdec_tools.train.settings import AnswerSettings, Eagle3Settings
+from specdec_tools.train.task_prompts import write_prompts
+
+from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
+from .helpers import tiny_runner
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def net() -> Eagle3Net:
+    torch.manual_seed(0)
+    target = tiny_runner().model
+    vocab = ReducedVocab.most_frequent(torch.arange(64.0), 40, {0})
+    net = Eagle3Net(target, vocab, intermediate_size=96).eval()
+    with torch.no_grad():  # a trained network's scale: random fc rows keep the features' spread
+        for parameter in net.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return net
+
+
+def chain_after(net: Eagle3Net, fused: torch.Tensor, tokens: torch.Tensor, t: int, depth: int) -> list[torch.Tensor]:
+    """Drafting as a server would: the real pairs 0..t causally, then `depth` chain nodes fed back one at a time
+    (node k: the previous output with token t+1+k, at position t+k); each node's output."""
+    positions = torch.arange(t + 1)[None]
+    causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None]
+    out, past = net(fused[:, : t + 1], tokens[:, 1 : t + 2], positions, causal)
+    hidden, outputs = out[:, -1:], []
+    for k in range(1, depth):
+        mask = torch.ones(1, 1, past[0].shape[2] + 1, dtype=torch.bool)
+        hidden, past = net(hidden, tokens[:, t + 1 + k : t + 2 + k], torch.tensor([[t + k]]), mask, past)
+        outputs.append(hidden[:, 0])
+    return outputs
+
+
+@torch.no_grad()
+def test_training_time_test_computes_what_drafting_computes(net):
+    length = 12
+    torch.manual_seed(1)
+    fused = net.fuse(*torch.randn(3, 1, length, net.hidden_size))
+    tokens = torch.randint(0, 64, (1, length + STEPS + 1))
+    valid = torch.ones(1, length, dtype=torch.bool)
+    hidden, past, steps = fused, None, []
+    for step in range(STEPS):
+        hidden, past = ttt_step(net, hidden, tokens[:, 1 + step : 1 + step + length], valid, step, past)
+        steps.append(hidden)
+    for t in (0, 5, length - 1):
+        for k, node in enumerate(chain_after(net, fused, tokens, t, STEPS), start=1):
+            torch.testing.assert_close(steps[k][:, t], node, rtol=1e-5, atol=1e-5)
+    # A step's outputs at t do not depend on the positions after t: the same text cut after t gives the same.
+    cut = 6
+    short, past = fused[:, :cut], None
+    for step in range(STEPS):
+        short, past = ttt_step(net, short, tokens[:, 1 + step : 1 + step + cut], valid[:, :cut], step, past)
+        torch.testing.assert_close(short, steps[step][:, :cut], rtol=1e-5, atol=1e-5)
+
+
+def test_output_layer_starts_as_the_targets_rows_and_drafts_map_back():
+    target = tiny_runner().model
+    vocab = ReducedVocab.most_frequent(torch.arange(64.0), 16, {0})
+    net = Eagle3Net(target, vocab)
+    torch.testing.assert_close(net.lm_head.weight, target.get_output_embeddings().weight[vocab.ids])
+    assert net.full_ids(torch.tensor([0, 15])).tolist() == [vocab.ids[0].item(), vocab.ids[15].item()]
+    embedding = target.get_input_embeddings().weight
+    assert all(value.data_ptr() != embedding.data_ptr() for value in net.state_dict().values())  # not the net's to save
+
+
+# -- training ----------------------------------------------------------------------
+
+CONFIG = "configs/tiny-random.yaml"
+TRAIN = Eagle3Settings(steps=3, vocab_size=40, intermediate_size=64, epochs=12, lr=3e-3, batch_sequences=2,
+                       heldout_every=4, save_every=5)
+
+
+@pytest.fixture(scope="module")
+def trained_data(tmp_path_factory):
+    """Answers to 8 prompts and their depth features, from the tiny random target, in a module-wide cache."""
+    root = tmp_path_factory.mktemp("eagle3")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_CACHE", str(root / "cache"))
+        prompts = root / "prompts.jsonl.gz"
+        write_prompts([{"id": i, "kind": "general", "task": "test", "source": "here", "text": f"prompt {i} " * (i + 1)}
+                       for i in range(8)], prompts)
+        config = Config.load(CONFIG)
+        answer(config, root / "answers", prompts, None, AnswerSettings(answer_tokens=24, batch=4, shard_prompts=4),
+               progress=False)
+        runner = load_runner(config.model.target, config.model)
+        features = depth_features.extract(runner, root / "answers", progress=False)
+        yield runner, features, root / "answers", root
+
+
+def test_training_lowers_the_loss_and_saves_a_drafter_with_its_vocabulary(trained_data):
+    runner, features, answers, root = trained_data
+    meta = train(runner, features, answers, root / "net", TRAIN, progress=False)
+    assert meta["last_batch"]["loss"] < meta["first_batch"]["loss"]
+    heldout = meta["heldout"]
+    assert len(heldout["step_accuracy"]) == 3 and all(n > 0 for n in heldout["slots"])  # prompts 2 and 6 held out
+    assert heldout["expected_length"] == pytest.approx(expected_length(heldout["step_accuracy"]), abs=1e-3)
+    assert meta["vocab_size"] == 40 and meta["data"]["shards"] == 2
+    saved = load_file(str(root / "net" / "eagle3.safetensors"))
+    assert saved["fc.weight"].shape == (runner.config.hidden_size, 3 * runner.config.hidden_size)
+
+
+def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monkeypatch):
+    runner, features, answers, root = trained_data
+    whole = train(runner, features, answers, root / "whole", TRAIN, progress=False)
+    save = loop.save_checkpoint
+
+    def stop_after_save(*args):
+        save(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "save_checkpoint", stop_after_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(runner, features, answers, root / "resumed", TRAIN, progress=False)
+    monkeypatch.setattr(loop, "save_checkpoint", save)
+    resumed = train(runner, features, answers, root / "resumed", TRAIN, resume=True, progress=False)
+    assert resumed["last_batch"] == whole["last_batch"] and resumed["heldout"] == whole["heldout"]
+    ours, theirs = (load_file(str(root / name / "eagle3.safetensors")) for name in ("whole", "resumed"))
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+    with pytest.raises(ValueError, match="other settings"):  # a checkpoint continues only the run that made it
+        monkeypatch.setattr(loop, "save_checkpoint", stop_after_save)
+        with pytest.raises(KeyboardInterrupt):
+            train(runner, features, answers, root / "other", TRAIN, progress=False)
+        monkeypatch.setattr(loop, "save_checkpoint", save)
+        train(runner, features, answers, root / "other", dataclasses.replace(TRAIN, lr=1e-3), resume=True, progress=False)
+
+
+def test_cli_says_to_make_the_features_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert main(["train", "eagle3", "--config", CONFIG]) == 2
+    assert "specdec train features" in capsys.readouterr().err
