@@ -37,13 +37,15 @@ from specdec_core.build import build_engine
 from specdec_core.config import Config
 from specdec_core.drafters.registry import NO_DRAFTER
 from specdec_core.models import vnni
+from specdec_core.models.eagle3_net import Eagle3Net
 from specdec_core.models.eagle_net import EagleNet
 from specdec_core.models.loading import load_runner
 from specdec_core.models.medusa_heads import MedusaHeads, head_logits
-from specdec_core.models.quant import DEFAULT_GROUP_SIZE, QUANTIZED, quantize_model
+from specdec_core.models.quant import DEFAULT_GROUP_SIZE, QUANTIZED, quantize_linears, quantize_model
 from specdec_core.models.runner import DTYPES, BatchCache, ModelRunner, resolve_device
 from specdec_core.models.static_runner import STEPS, on_step
 from specdec_core.models.tiny import is_tiny, tiny_model
+from specdec_core.models.vocab import ReducedVocab
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
@@ -51,6 +53,7 @@ from . import measurement
 from .bench.llama_cpp import find_tools, llama_bench, registry_gguf
 from .bench.results import decoded_tokens
 from .quant_bench import model_bytes
+from .train.settings import Eagle3Settings
 
 # The registry models' architectures (their config.json), for --shapes: what a pass's cost depends on.
 QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
@@ -184,10 +187,12 @@ def chunk_costs(runner: ModelRunner, rows: list[int], contexts: list[int], reps:
     }
 
 
-def draft_costs(target: ModelRunner, drafts: dict[str, ModelRunner] | None, context: int, reps: int) -> dict:
+def draft_costs(target: ModelRunner, drafts: dict[str, ModelRunner] | None, context: int, reps: int,
+                eagle3_widths: tuple[int, ...] = ()) -> dict:
     """Median ms per draft step: a draft model's one-token pass on each step kind (`drafts`, as on_steps makes
     them), one level of the EAGLE network, one forward of four Medusa heads (both eager: they run on the eager
-    step only)."""
+    step only), and a chained step of EAGLE-3's drafter per MLP width in `eagle3_widths` (its linear layers int4
+    on our kernel, as it would serve; its output layer over the default draft vocabulary; random weights)."""
     timed = timer(target.device)
     device, hidden = target.device, target.config.hidden_size
     costs: dict[str, dict[str, float] | float] = {}
@@ -211,10 +216,30 @@ def draft_costs(target: ModelRunner, drafts: dict[str, ModelRunner] | None, cont
         def medusa() -> None:
             head_logits(heads, features[:, -1:], target.model.get_output_embeddings())
 
-        for name, call in (("eagle", eagle_level), ("medusa", medusa)):
+        calls = {"eagle": eagle_level, "medusa": medusa, **{f"eagle3-{width}": eagle3_step(target, width, context)
+                                                             for width in eagle3_widths}}
+        for name, call in calls.items():
             samples = [timed(call) for _ in range(WARMUP + reps)][WARMUP:]
             costs[name] = 1e3 * statistics.median(samples)
     return costs
+
+
+def eagle3_step(target: ModelRunner, width: int, context: int) -> Callable[[], None]:
+    """One chained EAGLE-3 draft step at MLP width `width`: its layer over one pair attending `context` earlier
+    pairs' keys, the output layer, the argmax."""
+    vocab = ReducedVocab(torch.arange(min(Eagle3Settings().vocab_size, target.vocab_size)), target.vocab_size)
+    net = Eagle3Net(target.model, vocab, width).to(target.dtype).eval()
+    quantize_linears(net, "int4")
+    past = tuple(torch.randn(1, net.kv_heads, context, net.head_dim, dtype=target.dtype) for _ in range(2))
+    hidden = torch.randn(1, 1, net.hidden_size, dtype=target.dtype)
+    token, position = torch.tensor([[1]]), torch.tensor([[context]])
+    mask = torch.ones(1, 1, context + 1, dtype=torch.bool)
+
+    def step() -> None:
+        out, _ = net(hidden, token, position, mask, past)
+        net.logits(out).argmax(-1)
+
+    return step
 
 
 def expected_speedups(passes: dict, drafts: dict, results: Path) -> list[dict]:
@@ -304,7 +329,8 @@ def measure(args) -> dict:
     # Compiling (and recording CUDA graphs) is most of a GPU run's minutes: each model's share, before timing.
     warm_up_s = {"target": target_ready - start, "draft": time.perf_counter() - target_ready if draft else None}
     passes = pass_costs(runners, lengths, args.context, args.reps)
-    drafts = draft_costs(target, draft_runners, args.context, args.reps)
+    widths = tuple(int(w) for w in args.eagle3_widths.split(",") if w)
+    drafts = draft_costs(target, draft_runners, args.context, args.reps, widths)
     prefills = prefill_rates(runners, prefill_lengths, args.reps, config) if prefill_lengths else {}
     chunks = chunk_costs(runners[steps[0]], chunk_rows, [int(p) for p in args.chunk_contexts.split(",")], args.reps) if chunk_rows else None
     result = {
@@ -405,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="1,2,4,8", help="comma-separated pass lengths; the first is the plain step's")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--eagle3-widths", default="", help="comma-separated MLP widths: ms of an EAGLE-3 draft step at each")
     parser.add_argument("--acceptance", type=Path, help="a bench run's results.json: price its methods at these costs")
     parser.add_argument("--prefill", default="", help="comma-separated prompt lengths: tokens/s of a prefill of each")
     parser.add_argument("--chunk-rows", default="", help="comma-separated chunk sizes: ms of an exact prefill chunk of each, at each --chunk-contexts, fitted")

@@ -202,7 +202,8 @@ def test_the_step_costs_script_runs_on_the_cpu_with_tiny_shapes(tmp_path):
     out = tmp_path / "step-costs.json"
     step_costs.main(["--shapes", "tiny-random-qwen2", "--draft-shapes", "tiny-random-llama", "--device", "cpu",
                      "--dtype", "fp32", "--lengths", "1,2,4", "--reps", "2", "--context", "16", "--prefill", "8,32",
-                     "--chunk-rows", "4,8", "--chunk-contexts", "0,16,32", "--acceptance", str(RESULTS), "--out", str(out)])
+                     "--chunk-rows", "4,8", "--chunk-contexts", "0,16,32", "--eagle3-widths", "32,96", "--acceptance", str(RESULTS),
+                     "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["random_weights"] and result["command"].startswith("python -m specdec_tools.step_costs")
     for step in ("eager", "static", "compiled"):
@@ -210,6 +211,7 @@ def test_the_step_costs_script_runs_on_the_cpu_with_tiny_shapes(tmp_path):
         assert result["draft_step_ms"]["draft-model"][step] > 0
         assert set(result["prefill_tokens_per_s"][step]) == {"8", "32"}
     assert result["draft_step_ms"]["eagle"] > 0 and result["draft_step_ms"]["medusa"] > 0
+    assert result["draft_step_ms"]["eagle3-32"] > 0 and result["draft_step_ms"]["eagle3-96"] > 0
     chunks = result["chunk_costs"]
     assert [(c["rows"], c["context"]) for c in chunks["passes"]] == [(n, p) for p in (0, 16, 32) for n in (4, 8)]
     assert all(c["ms"] > 0 for c in chunks["passes"]) and set(chunks["fit"]) >= {"parity_context", "attention_mac_cost"}

@@ -404,6 +404,15 @@ def _quantize_with_fallback(name: str, linear: nn.Linear, precision: str, group_
     return None
 
 
+def quantize_linears(module: nn.Module, precision: str, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+    """Replace `module`'s nn.Linear layers in place at `precision` (one of QUANTIZED), each falling back as
+    quantize_model's do: a drafter's own small network, with no packed cache and no GGUF file."""
+    for name, linear in _linears(module).items():
+        layer = _quantize_with_fallback(name, linear, precision, group_size)
+        if layer is not None:
+            _replace(module, name, layer)
+
+
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
