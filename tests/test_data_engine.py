@@ -123,6 +123,13 @@ def test_a_stopped_run_resumes_at_any_shard_to_the_same_files(tmp_path, prompts_
     for name in whole:
         assert all(np.array_equal(resumed[name][key], whole[name][key]) for key in whole[name]), name
     assert [entry["file"] for entry in manifest["shards"]] == sorted(whole)
+    # Stopped between a shard's file and the manifest's line for it: the shard is made again.
+    path = tmp_path / "resumed" / "manifest.json"
+    path.write_text(json.dumps({**manifest, "shards": manifest["shards"][:-1]}))
+    again = answer(config, tmp_path / "resumed", prompts_file, None, SETTINGS, progress=False)
+    assert again["shards"][:-1] == manifest["shards"][:-1] and again["shards"][-1]["file"] == manifest["shards"][-1]["file"]
+    last = sorted(whole)[-1]
+    assert all(np.array_equal(a, b) for a, b in zip(shard_files(tmp_path / "resumed")[last].values(), whole[last].values()))
 
 
 def test_a_run_with_other_settings_is_refused(tmp_path, prompts_file, capsys):

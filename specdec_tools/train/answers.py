@@ -157,7 +157,9 @@ def answer(config: Config, directory: Path, prompts_path: Path, count: int | Non
     directory.mkdir(parents=True, exist_ok=True)
     manifest = _manifest(directory, identity(target, prompts_path, settings))
     starts = range(0, len(prompts), settings.shard_prompts)
-    todo = [start for start in starts if not (directory / _shard_name(start, settings)).is_file()]
+    # A shard counts once the manifest lists it: one saved just before a stop, unlisted, is made again.
+    listed = {entry["file"] for entry in manifest["shards"]}
+    todo = [start for start in starts if _shard_name(start, settings) not in listed]
     if not todo:
         return manifest
     engine = build_engine(config, drafter=NO_DRAFTER)

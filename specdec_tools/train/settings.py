@@ -62,7 +62,7 @@ class Eagle3Settings:
     steps: int = 5  # training-time test's steps: drafts deep (the default gamma_max)
     decay: float = 0.8  # step k's loss weight is decay ** k
     vocab_size: int = 16384  # draft vocabulary: the most frequent tokens of the target's answers
-    intermediate_size: int = 3072  # the layer's MLP width (the 1.5B's is 8960): a draft step must stay cheap
+    intermediate_size: int = 3072  # the layer's MLP width: a draft step 0.057-0.068 of the 1.5B's (8960: 0.077-0.086)
     epochs: int = 1
     lr: float = 2e-4
     batch_sequences: int = 4  # sequences per optimizer step
