@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import jsonschema
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -196,6 +197,31 @@ def _bounded_strings(schema: Any) -> Any:
     return out
 
 
+# UTF-8 across tokens, strictly: xgrammar 0.2.9 takes any lead byte and continuation bytes as a character, overlong
+# forms (E0 82 8D for U+008D) and surrogates too, which decode to U+FFFD each and break a string's maxLength. A state
+# is what the next byte must be: (continuation bytes still due, the first one's lowest and highest value).
+UTF8_START = (0, 0, 0)
+UTF8_LEADS = [(range(0xC2, 0xE0), (1, 0x80, 0xBF)), (range(0xE0, 0xE1), (2, 0xA0, 0xBF)), (range(0xE1, 0xED), (2, 0x80, 0xBF)),
+              (range(0xED, 0xEE), (2, 0x80, 0x9F)), (range(0xEE, 0xF0), (2, 0x80, 0xBF)), (range(0xF0, 0xF1), (3, 0x90, 0xBF)),
+              (range(0xF1, 0xF4), (3, 0x80, 0xBF)), (range(0xF4, 0xF5), (3, 0x80, 0x8F))]
+
+
+def utf8_after(state: tuple[int, int, int], data: bytes) -> tuple[int, int, int] | None:
+    """The UTF-8 state after `data` from `state`; None where the bytes cannot be valid UTF-8 there."""
+    due, low, high = state
+    for byte in data:
+        if due:
+            if not low <= byte <= high:
+                return None
+            due, low, high = due - 1, 0x80, 0xBF
+        elif byte >= 0x80:
+            lead = next((after for leads, after in UTF8_LEADS if byte in leads), None)
+            if lead is None:
+                return None
+            due, low, high = lead
+    return (due, low, high) if due else UTF8_START
+
+
 class Vocabulary:
     """What the grammar drafter needs of the vocabulary: each token's bytes, the token that spells exactly some
     bytes, the end-of-sequence token to draft, and the mask that allows only the stop tokens."""
@@ -212,6 +238,18 @@ class Vocabulary:
         self.stops_only = torch.zeros(xgr.get_bitmask_shape(1, size), dtype=xgr.bitmask_dtype)
         for token in stop_token_ids:
             self.stops_only[0, token // 32] |= _bit(token % 32)
+        self._utf8_masks: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def utf8_mask(self, state: tuple[int, int, int]) -> torch.Tensor:
+        """[W]: the tokens whose bytes can follow UTF-8 state `state` (made once per state)."""
+        if state not in self._utf8_masks:
+            allowed = np.ones(-(-self.size // 32) * 32, dtype=np.uint64)
+            for token, text in enumerate(self.bytes[: self.size]):
+                if text and (not text.isascii() or state != UTF8_START) and utf8_after(state, text) is None:
+                    allowed[token] = 0
+            words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
+            self._utf8_masks[state] = torch.from_numpy(words.view(np.int32).copy())
+        return self._utf8_masks[state]
 
 
 def _bit(position: int) -> int:
@@ -225,6 +263,7 @@ class GrammarState:
     def __init__(self, matcher: xgr.GrammarMatcher, vocabulary: Vocabulary):
         self.matcher = matcher
         self.vocabulary = vocabulary
+        self.utf8 = [UTF8_START]  # the UTF-8 state after each accepted token, rolled back with the matcher
 
     def _masks(self, rows: int) -> torch.Tensor:
         # All tokens allowed: what a position past a stop keeps (never read: the sequence ends at the stop).
@@ -233,9 +272,20 @@ class GrammarState:
     def _fill(self, masks: torch.Tensor, row: int) -> None:
         if not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(masks, row)
+            masks[row] &= self.vocabulary.utf8_mask(self.utf8[-1])
 
     def _accept(self, token: int) -> bool:
-        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
+        if self.matcher.is_terminated():
+            return False
+        after = utf8_after(self.utf8[-1], self.vocabulary.bytes[token]) if token < len(self.vocabulary.bytes) else self.utf8[-1]
+        if after is None or not self.matcher.accept_token(token):
+            return False
+        self.utf8.append(after)
+        return True
+
+    def _rollback(self, tokens: int) -> None:
+        self.matcher.rollback(tokens)
+        del self.utf8[len(self.utf8) - tokens :]
 
     def walk_chain(self, drafts: list[int]) -> tuple[int, torch.Tensor]:
         """How many leading drafts the grammar allows, and the bitmasks [that + 1, W] after the row's last token,
@@ -248,7 +298,7 @@ class GrammarState:
                 break
             allowed += 1
             self._fill(masks, allowed)
-        self.matcher.rollback(allowed)
+        self._rollback(allowed)
         return allowed, masks[: allowed + 1]
 
     def walk_tree(self, tokens: list[int], parents: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -264,7 +314,7 @@ class GrammarState:
                 if self._accept(tokens[node]):
                     allowed.append(node)
                     visit(node + 1)
-                    self.matcher.rollback(1)
+                    self._rollback(1)
 
         visit(0)
         allowed.sort()
@@ -301,7 +351,7 @@ class GrammarState:
             mask = self._masks(1)
             self._fill(mask, 0)
             only_stops = torch.equal(mask, self.vocabulary.stops_only)
-        self.matcher.rollback(accepted)
+        self._rollback(accepted)
         return only_stops
 
     def advance(self, tokens: list[int]) -> None:

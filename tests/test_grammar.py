@@ -20,7 +20,7 @@ from specdec_core.drafters.base import Proposal
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.drafters.suffix import SuffixDrafter
 from specdec_core.engine import Engine
-from specdec_core.grammar import GrammarError, Grammars, GrammarSpec, GrammarState, check_schema
+from specdec_core.grammar import UTF8_START, GrammarError, Grammars, GrammarSpec, GrammarState, check_schema, utf8_after
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.runner import ModelRunner
 from specdec_core.sampling import SamplingParams
@@ -214,6 +214,18 @@ SCHEMAS = st.recursive(
 RANDOM_OBJECTS = st.tuples(st.dictionaries(NAMES, SCHEMAS, min_size=1, max_size=4), st.data()).map(lambda t: _object(*t))
 
 
+def sampled_rows(target: ModelRunner, grammars: Grammars, schema: dict) -> list[Sequence]:
+    """Three sampled rows bound to `schema`, decoded through the suffix drafter and the grammar's drafts."""
+    compiled = grammars.compile(GrammarSpec("json_schema", json.dumps(schema)), "schema")
+    seqs = []
+    for seed, prompt in enumerate(prompts_of(target)[:3]):
+        seq = Sequence(f"s{seed}", prompt, SamplingParams(temperature=0.8, seed=seed), 160)
+        seq.grammar = grammars.state(compiled)
+        seqs.append(seq)
+    decode(Engine(target, SuffixDrafter(10_000), Controller(gamma_max=4, fixed_gamma=3), eos_ids(target)), seqs)
+    return seqs
+
+
 def test_outputs_that_end_by_stop_are_valid_against_random_schemas(target, grammars):
     """30 schemas (a fixed draw), three sampled rows each through the suffix drafter and the grammar's drafts."""
     stopped, rows = [], []
@@ -223,13 +235,7 @@ def test_outputs_that_end_by_stop_are_valid_against_random_schemas(target, gramm
     @given(schema=RANDOM_OBJECTS)
     def valid(schema: dict) -> None:
         check_schema(schema, "schema")
-        compiled = grammars.compile(GrammarSpec("json_schema", json.dumps(schema)), "schema")
-        seqs = []
-        for seed, prompt in enumerate(prompts_of(target)[:3]):
-            seq = Sequence(f"s{seed}", prompt, SamplingParams(temperature=0.8, seed=seed), 160)
-            seq.grammar = grammars.state(compiled)
-            seqs.append(seq)
-        decode(Engine(target, SuffixDrafter(10_000), Controller(gamma_max=4, fixed_gamma=3), eos_ids(target)), seqs)
+        seqs = sampled_rows(target, grammars, schema)
         stopped.append(assert_valid(target, seqs, schema))
         rows.append(len(seqs))
 
@@ -307,3 +313,27 @@ def test_the_grammar_forces_whole_keys_and_the_end_of_sequence(target, grammars)
     assert state.forced(16) == [grammars.vocabulary.eos] and state.forced(0) == []
     state.advance([grammars.vocabulary.eos])
     assert state.forced(16) == []
+
+
+# -- UTF-8 ---------------------------------------------------------------------------------------------------------------
+
+
+def test_utf8_states_refuse_overlong_forms_surrogates_and_bytes_past_the_range():
+    assert utf8_after(UTF8_START, "é༨😀 ascii".encode()) == UTF8_START
+    assert utf8_after(UTF8_START, b"\xe0") == (2, 0xA0, 0xBF)
+    assert utf8_after(utf8_after(UTF8_START, b"\xe0\xbc"), b"\xa8 and more") == UTF8_START  # a character across tokens
+    for invalid in (b"\xe0\x82", b"\xed\xa0", b"\xf0\x80", b"\xf4\x90", b"\xc0", b"\xc1", b"\xf5", b"\xff", b"\x80", b"\xc3a"):
+        assert utf8_after(UTF8_START, invalid) is None, invalid
+
+
+def test_a_bounded_string_holds_whole_characters(target, grammars):
+    """xgrammar took the overlong E0 82 8D as one character of this string (seed 2, this tiny target), which Python
+    decodes as three U+FFFD: the UTF-8 states must refuse it."""
+    schema = {"type": "object", "properties": {"aaaaek": {"type": "object", "properties": {
+        "ddo": {"type": "string", "maxLength": 1}}, "required": ["ddo"], "additionalProperties": False}},
+        "required": ["aaaaek"], "additionalProperties": False}
+    seqs = sampled_rows(target, grammars, schema)
+    assert assert_valid(target, seqs, schema) == 3
+    for seq in seqs:
+        text = b"".join(grammars.vocabulary.bytes[t] for t in seq.output_ids if t not in eos_ids(target))
+        text.decode("utf-8")  # strict: raises on an overlong form or a lone byte
