@@ -50,7 +50,7 @@ def build_engine(config: Config, drafter: str | None = None, target: ModelRunner
     cache = None
     if prefill.cache:
         block_tokens = prefill.cache_block_tokens if exact else chunk_tokens
-        block_bytes = block_tokens * target.token_bytes(bool(chosen and chosen.uses_features))
+        block_bytes = block_tokens * target.token_bytes(len(chosen.feature_layers) if chosen else 0)
         cache = PrefixCache(block_tokens, prefill.cache_bytes, block_bytes)
     # Exact prefills attend with the row-invariant attention, which costs a chunk more the more context it attends
     # (docs/benchmarks/NOTES.md): there chunks shrink as their context grows, with the attention's multiply-adds

@@ -97,6 +97,14 @@ class EagleConfig(Section):
     top_k: int = Field(2, ge=1, description="Children per expanded node, and nodes expanded per level")
 
 
+class Eagle3Config(EagleConfig):
+    weights: str | None = Field(None, description="Trained EAGLE-3 drafter: a name under <cache>/eagle3 (`specdec train eagle3 --out NAME`) or a directory; null: <model.target>-eagle3")
+    precision: Literal["int4", "int8", "bf16"] = Field("int4", description="Its linear layers: int4 or int8 on our kernel, or bf16 as trained (int4 measured at 0.057-0.068 of a target step on the 1.5B)")
+    total_tokens: int = Field(5, ge=1, description="Nodes of the draft tree verified each step; with top_k 1 a chain of this many")
+    depth: int = Field(5, ge=1, description="Most levels of the draft tree (also capped by gamma)")
+    top_k: int = Field(1, ge=1, description="Children per expanded node, and nodes expanded per level (1: a chain)")
+
+
 class DistilledConfig(Section):
     student: str | None = Field(None, description="Trained student: a name under <cache>/students (`specdec train distill --out NAME`) or a directory; null: <model.target>-distilled. Its trunk (the target's first k layers, or a draft model) is the one it was trained with")
 
@@ -117,6 +125,7 @@ class SpeculationConfig(Section):
     hybrid: HybridConfig = Field(default_factory=HybridConfig, description="hybrid (n-gram, else a model drafter) settings")
     medusa: MedusaConfig = Field(default_factory=MedusaConfig, description="Medusa heads and their per-step candidate tree (depth: gamma, at most the heads)")
     eagle: EagleConfig = Field(default_factory=EagleConfig, description="EAGLE feature drafter and its dynamic draft tree (depth: at most gamma)")
+    eagle3: Eagle3Config = Field(default_factory=Eagle3Config, description="EAGLE-3 drafter (the target's features at three depths), a chain unless top_k > 1")
     distilled: DistilledConfig = Field(default_factory=DistilledConfig, description="Distilled student: the target's first k layers and a trained adapter (early_exit applies)")
 
 

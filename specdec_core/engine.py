@@ -27,7 +27,7 @@ from .drafters import grammar as grammar_drafts
 from .drafters.base import Drafter, Proposal
 from .grammar import masked
 from .models import vnni
-from .models.runner import BatchCache, ModelRunner
+from .models.runner import BatchCache, ModelRunner, select_features
 from .prefix_cache import Block, OwnPrefix, PrefixCache
 from .sampling import (
     PositionNoise,
@@ -250,7 +250,7 @@ class Engine:
         )
         admission.logits.append(logits[0])
         if hidden is not None:
-            admission.hidden.append(hidden[-1][0])
+            admission.hidden.append(select_features(hidden, self.drafter.feature_layers)[0])
         admission.done = end
         self.chunks += 1
         self._keep_blocks(admission, start, end)
@@ -565,11 +565,12 @@ class Engine:
         forced = proposal.forced or [0] * len(seqs)  # the forced tokens lead: a row's first forced[i] depths
         keep = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
         kept_features, rows = [], []
+        hidden = select_features(verdict.hidden, self.drafter.feature_layers) if features else None
         for i, (seq, path, tokens) in enumerate(zip(seqs, verdict.paths, verdict.tokens)):
             slots = [0] + [1 + j for j in path]  # this step's slots the row keeps: its last token, then the path
             keep[i, slots] = True
             if features:
-                kept_features.append(verdict.hidden[-1][i, slots])
+                kept_features.append(hidden[i, slots])
             if tokens is not None:  # a failed row keeps only its last token's slot, and leaves the batch below
                 emitted = self._emit(seq, tokens, verdict.logits[i, slots])
                 # Forced tokens delivered (kept, and not past a stop), then the drafter's.

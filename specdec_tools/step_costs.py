@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from specdec_core.build import build_engine
 from specdec_core.config import Config
@@ -230,14 +230,15 @@ def eagle3_step(target: ModelRunner, width: int, context: int) -> Callable[[], N
     vocab = ReducedVocab(torch.arange(min(Eagle3Settings().vocab_size, target.vocab_size)), target.vocab_size)
     net = Eagle3Net(target.model, vocab, width).to(target.dtype).eval()
     quantize_linears(net, "int4")
-    past = tuple(torch.randn(1, net.kv_heads, context, net.head_dim, dtype=target.dtype) for _ in range(2))
+    past = [torch.randn(1, net.kv_heads, context, net.head_dim, dtype=target.dtype) for _ in range(2)]
     hidden = torch.randn(1, 1, net.hidden_size, dtype=target.dtype)
     token, position = torch.tensor([[1]]), torch.tensor([[context]])
     mask = torch.ones(1, 1, context + 1, dtype=torch.bool)
 
     def step() -> None:
-        out, _ = net(hidden, token, position, mask, past)
-        net.logits(out).argmax(-1)
+        kv = DynamicCache()  # the same context each step; appending to it copies it, as a served step's does
+        kv.update(*past, 0)
+        net.logits(net(hidden, token, position, mask, kv)).argmax(-1)
 
     return step
 

@@ -14,6 +14,7 @@ import torch
 
 from specdec_cli.main import main
 from specdec_core.config import Config
+from specdec_core.models.eagle3_net import feature_layers
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_tools.train import answers as answers_module
 from specdec_tools.train import depth_features
@@ -180,7 +181,7 @@ def test_depth_features_are_the_targets_layer_outputs_made_once_per_answers_shar
     ids = shard.prompts[0] + shard.answers[0]
     with torch.no_grad():
         out = runner.model(torch.tensor([ids]), output_hidden_states=True)
-    low, middle, high = depth_features.depths(runner.config.num_hidden_layers)
+    low, middle, high = feature_layers(runner.config.num_hidden_layers)
     first = slice(0, len(ids))
     for key, depth in (("low", low), ("middle", middle), ("high", high)):
         assert torch.equal(shards[0][key][first], out.hidden_states[depth][0]), key

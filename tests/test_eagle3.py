@@ -1,5 +1,7 @@
 """EAGLE-3's network (models/eagle3_net.py) and its training (train/eagle3.py) on the tiny random target: the
-training-time test computes what drafting computes; training lowers the loss, saves, and resumes exactly."""
+training-time test computes what drafting computes; training lowers the loss, saves, and resumes exactly; the
+trained drafter serves from a config and decodes plain decoding's text (its exactness beside the other drafters:
+test_eagle.py, test_invisible.py, test_prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,20 @@ import dataclasses
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import DynamicCache
 
 from specdec_cli.main import main
-from specdec_core.config import Config
-from specdec_core.models.eagle3_net import Eagle3Net, ttt_step
+from specdec_core.build import build_drafter
+from specdec_core.config import Config, Eagle3Config
+from specdec_core.control import Controller
+from specdec_core.drafters.eagle import EagleDrafter
+from specdec_core.engine import Engine
+from specdec_core.models.artifacts import MissingArtifactError
+from specdec_core.models.eagle3_net import Eagle3Net, feature_layers, load_eagle3, ttt_step
 from specdec_core.models.loading import load_runner
 from specdec_core.models.vocab import ReducedVocab
+from specdec_core.sampling import SamplingParams
+from specdec_core.sequence import Sequence
 from specdec_tools.train import depth_features, loop
 from specdec_tools.train.answers import answer
 from specdec_tools.train.eagle3 import expected_length, train
@@ -21,7 +31,7 @@ from specdec_tools.train.settings import AnswerSettings, Eagle3Settings
 from specdec_tools.train.task_prompts import write_prompts
 
 from .helpers import single_thread  # noqa: F401  (autouse: torch on one thread)
-from .helpers import tiny_runner
+from .helpers import decode, greedy_reference, tiny_runner
 
 STEPS = 4
 
@@ -41,13 +51,12 @@ def net() -> Eagle3Net:
 def chain_after(net: Eagle3Net, fused: torch.Tensor, tokens: torch.Tensor, t: int, depth: int) -> list[torch.Tensor]:
     """Drafting as a server would: the real pairs 0..t causally, then `depth` chain nodes fed back one at a time
     (node k: the previous output with token t+1+k, at position t+k); each node's output."""
-    positions = torch.arange(t + 1)[None]
+    positions, kv = torch.arange(t + 1)[None], DynamicCache()
     causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None]
-    out, past = net(fused[:, : t + 1], tokens[:, 1 : t + 2], positions, causal)
-    hidden, outputs = out[:, -1:], []
+    hidden, outputs = net(fused[:, : t + 1], tokens[:, 1 : t + 2], positions, causal, kv)[:, -1:], []
     for k in range(1, depth):
-        mask = torch.ones(1, 1, past[0].shape[2] + 1, dtype=torch.bool)
-        hidden, past = net(hidden, tokens[:, t + 1 + k : t + 2 + k], torch.tensor([[t + k]]), mask, past)
+        mask = torch.ones(1, 1, kv.get_seq_length() + 1, dtype=torch.bool)
+        hidden = net(hidden, tokens[:, t + 1 + k : t + 2 + k], torch.tensor([[t + k]]), mask, kv)
         outputs.append(hidden[:, 0])
     return outputs
 
@@ -59,18 +68,18 @@ def test_training_time_test_computes_what_drafting_computes(net):
     fused = net.fuse(*torch.randn(3, 1, length, net.hidden_size))
     tokens = torch.randint(0, 64, (1, length + STEPS + 1))
     valid = torch.ones(1, length, dtype=torch.bool)
-    hidden, past, steps = fused, None, []
+    hidden, kv, steps = fused, DynamicCache(), []
     for step in range(STEPS):
-        hidden, past = ttt_step(net, hidden, tokens[:, 1 + step : 1 + step + length], valid, step, past)
+        hidden = ttt_step(net, hidden, tokens[:, 1 + step : 1 + step + length], valid, step, kv)
         steps.append(hidden)
     for t in (0, 5, length - 1):
         for k, node in enumerate(chain_after(net, fused, tokens, t, STEPS), start=1):
             torch.testing.assert_close(steps[k][:, t], node, rtol=1e-5, atol=1e-5)
     # A step's outputs at t do not depend on the positions after t: the same text cut after t gives the same.
     cut = 6
-    short, past = fused[:, :cut], None
+    short, kv = fused[:, :cut], DynamicCache()
     for step in range(STEPS):
-        short, past = ttt_step(net, short, tokens[:, 1 + step : 1 + step + cut], valid[:, :cut], step, past)
+        short = ttt_step(net, short, tokens[:, 1 + step : 1 + step + cut], valid[:, :cut], step, kv)
         torch.testing.assert_close(short, steps[step][:, :cut], rtol=1e-5, atol=1e-5)
 
 
@@ -108,9 +117,16 @@ def trained_data(tmp_path_factory):
         yield runner, features, root / "answers", root
 
 
-def test_training_lowers_the_loss_and_saves_a_drafter_with_its_vocabulary(trained_data):
+@pytest.fixture(scope="module")
+def trained(trained_data) -> dict:
+    """The drafter trained on them, saved as <root>/net: its JSON."""
     runner, features, answers, root = trained_data
-    meta = train(runner, features, answers, root / "net", TRAIN, progress=False)
+    return train(runner, features, answers, root / "net", TRAIN, progress=False)
+
+
+def test_training_lowers_the_loss_and_saves_a_drafter_with_its_vocabulary(trained_data, trained):
+    runner, features, answers, root = trained_data
+    meta = trained
     assert meta["last_batch"]["loss"] < meta["first_batch"]["loss"]
     heldout = meta["heldout"]
     assert len(heldout["step_accuracy"]) == 3 and all(n > 0 for n in heldout["slots"])  # prompts 2 and 6 held out
@@ -143,6 +159,27 @@ def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monke
             train(runner, features, answers, root / "other", TRAIN, progress=False)
         monkeypatch.setattr(loop, "save_checkpoint", save)
         train(runner, features, answers, root / "other", dataclasses.replace(TRAIN, lr=1e-3), resume=True, progress=False)
+
+
+@pytest.mark.parametrize("precision", ["int4", "bf16"])
+def test_the_trained_drafter_serves_from_its_config_and_its_text_is_plain_decodings(trained_data, trained, precision):
+    runner, _, _, root = trained_data
+    config = Config.load(CONFIG).model_copy(deep=True)
+    config.speculation.drafter = "eagle3"
+    config.speculation.eagle3 = Eagle3Config(weights=str(root / "net"), precision=precision)
+    drafter = build_drafter(config, runner)
+    assert isinstance(drafter, EagleDrafter) and drafter.feature_layers == feature_layers(runner.config.num_hidden_layers)
+    seqs = [Sequence(f"s{i}", prompt, SamplingParams(temperature=0), 24) for i, prompt in enumerate(([1, 2, 3], [7, 8, 9, 10]))]
+    decode(Engine(runner, drafter, Controller(gamma_max=5, fixed_gamma=5), set()), seqs)
+    assert all(seq.output_ids == greedy_reference(runner, seq.prompt_ids, 24) for seq in seqs)
+    assert sum(seq.stats.draft_tokens for seq in seqs) > 0
+
+
+def test_a_drafter_of_another_target_is_refused_with_the_command_that_trains_one(trained_data, trained):
+    _, _, _, root = trained_data
+    other = tiny_runner(seed=1, vocab=64)
+    with pytest.raises(MissingArtifactError, match=r"trained for .*specdec train eagle3 --config .* --out"):
+        load_eagle3(root / "net", other.model, "another-target", "int4")
 
 
 def test_cli_says_to_make_the_features_first(tmp_path, monkeypatch, capsys):

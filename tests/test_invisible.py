@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from specdec_core.config import Config, ModelConfig
 from specdec_core.control import Controller
@@ -22,10 +23,13 @@ from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.drafters.suffix import SuffixDrafter
 from specdec_core.engine import Engine
 from specdec_core.models import attention
+from specdec_core.models.eagle3_net import Eagle3Net
 from specdec_core.models.eagle_net import EagleNet
 from specdec_core.models.loading import eos_ids, load_runner
 from specdec_core.models.runner import ModelRunner
+from specdec_core.models.quant import quantize_linears
 from specdec_core.models.static_runner import StaticRunner
+from specdec_core.models.vocab import ReducedVocab
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_tools.bench.prompts import load_prompts
@@ -58,6 +62,16 @@ def float_copy() -> ModelRunner:
     return load_runner(INT4.target, INT4.model_copy(update={"weights": "bf16"}))
 
 
+def untrained_eagle3(model: torch.nn.Module) -> Eagle3Net:
+    """EAGLE-3's drafter as the server runs it (bf16, int4 linear layers), untrained, over half the vocabulary."""
+    torch.manual_seed(0)
+    size = model.config.vocab_size
+    net = Eagle3Net(model, ReducedVocab.most_frequent(torch.randperm(size).float(), size // 2, set()))
+    net = net.to(torch.bfloat16).eval().requires_grad_(False)
+    quantize_linears(net, "int4")
+    return net
+
+
 DRAFTERS: dict[str, Callable[[ModelRunner], Drafter]] = {
     "ngram": lambda target: NgramDrafter(),
     "ngram-tree": lambda target: NgramDrafter(candidates=4),
@@ -68,6 +82,7 @@ DRAFTERS: dict[str, Callable[[ModelRunner], Drafter]] = {
     "hybrid-suffix": lambda target: HybridDrafter(SuffixDrafter(10_000, factor=2.0, min_probability=0.0),
                                                   DraftModelDrafter(float_copy(), target.vocab_size)),
     "eagle": lambda target: EagleDrafter(EagleNet(float_copy().model).eval().requires_grad_(False), 4, 3, 8),
+    "eagle3": lambda target: EagleDrafter(untrained_eagle3(float_copy().model), 1, 3, 3),
     "medusa": lambda target: MedusaDrafter(target, perturbed_heads(target.config.hidden_size, 3, 0.02, seed=0), None, 6, 2),
     "distilled": lambda target: DistilledDrafter(target, random_adapter(target.config.hidden_size, 0.02, seed=0), k=1),
 }

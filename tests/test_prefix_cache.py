@@ -46,9 +46,8 @@ def engine_of(runner: ModelRunner, drafter=None, budget: int | None = 2**30, chu
     are BLOCK tokens (build_engine's choice where long passes stay on the kernel)."""
     cache = None
     if budget is not None:
-        features = bool(drafter and drafter.uses_features)
         block = BLOCK if exact else chunk
-        cache = PrefixCache(block, budget, block * runner.token_bytes(features))
+        cache = PrefixCache(block, budget, block * runner.token_bytes(len(drafter.feature_layers) if drafter else 0))
     controller = Controller(gamma_max=4, fixed_gamma=3 if drafter else None)  # drafts every step: the test says something
     return Engine(runner, drafter, controller, eos_ids(runner), chunk_tokens=chunk, prefix_cache=cache, exact_prefill=exact,
                   chunk_context_tokens=CONTEXT if exact else None)
@@ -93,7 +92,7 @@ def test_a_cached_prefix_gives_the_cold_prefills_keys_values_and_logits_bit_for_
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("drafter", [None, "suffix", "draft-model", "eagle", "layer-skip"])
+@pytest.mark.parametrize("drafter", [None, "suffix", "draft-model", "eagle", "eagle3", "layer-skip"])
 def test_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
     if drafter == "layer-skip" and isinstance(runner, StaticRunner):
         pytest.skip("layer-skip drafts in the eager step's slot cache")
@@ -151,7 +150,7 @@ def test_exact_prefill_chunks_shrink_as_the_context_they_attend_grows(runner):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("drafter", [None, "suffix", "draft-model", "eagle", "layer-skip"])
+@pytest.mark.parametrize("drafter", [None, "suffix", "draft-model", "eagle", "eagle3", "layer-skip"])
 def test_with_exact_prefills_answers_are_cached_and_text_is_the_same_with_the_cache_on_and_off(runner, drafter, setting):
     """A second turn takes every whole block of its first turn's prompt and answer from the cache (blocks of
     BLOCK tokens, straddling chunks), and its text is the cache-off text; a drafter that reads the target's
@@ -162,7 +161,7 @@ def test_with_exact_prefills_answers_are_cached_and_text_is_the_same_with_the_ca
     on = engine_of(runner, make(runner), exact=True)
     texts, first, second = chat(on, runner, setting)
     assert texts == chat(engine_of(runner, make(runner), budget=None, exact=True), runner, setting)[0]
-    answered = drafter != "eagle"
+    answered = drafter not in ("eagle", "eagle3")
     expected = [((len(seq.tokens) - 1) if answered else len(seq.prompt_ids)) // BLOCK * BLOCK for seq in first]
     assert [seq.cached_tokens for seq in second] == expected
     assert answered == all(cached > len(seq.prompt_ids) for cached, seq in zip(expected, first))
@@ -252,7 +251,7 @@ def test_negative_control_a_perturbed_block_changes_the_text(runner):
 def test_eviction_keeps_the_budget_and_every_request_completes_with_its_uncached_text(target):  # noqa: F811
     # Room for one conversation's blocks and a few more: eight conversations of two turns overflow it.
     blocks = len(conversations(target, "greedy", 1)[0].prompt_ids) // CHUNK + 4
-    block = CHUNK * target.token_bytes(False)
+    block = CHUNK * target.token_bytes(0)
     small = engine_of(target, budget=blocks * block)
     texts, *_ = chat(small, target, "greedy")
     cache = small.prefix_cache
@@ -284,7 +283,7 @@ def test_namespaces_do_not_share_blocks(target):  # noqa: F811
 
 
 def test_a_prompt_larger_than_the_budget_decodes_uncached_and_says_so_once(target, caplog):  # noqa: F811
-    engine = engine_of(target, budget=2 * CHUNK * target.token_bytes(False))
+    engine = engine_of(target, budget=2 * CHUNK * target.token_bytes(0))
     prompt = target.tokenizer.encode(SYSTEM)
     with caplog.at_level(logging.WARNING, logger="specdec"):
         for i in range(2):

@@ -4,7 +4,7 @@ A drafter keeps one row of state per sequence, in the engine's row order. Each
 step it proposes up to gamma tokens per row (a chain, or a tree: see tree.py)
 with the distribution q it drew them from, then learns which the target kept
 so it can roll back. Drafters that read the target's features (its final-normed
-last hidden states: Medusa, EAGLE) get them for every token the target commits.
+last hidden states: Medusa, EAGLE; three depths' for EAGLE-3) get them for every token the target commits.
 """
 
 from __future__ import annotations
@@ -63,12 +63,18 @@ class Drafter(ABC):
     """Proposes draft tokens for a batch of sequences."""
 
     name = "unnamed"  # what stats and metrics call it: build.registered_drafter names a drafter by its registry key
-    uses_features = False  # the engine runs the target with features and passes them to add() and accepted()
+    # The target's hidden states it reads (indices into a pass's: each layer's input, then the final-normed output),
+    # concatenated: the engine runs the target with them and passes them to add() and accepted().
+    feature_layers: tuple[int, ...] = ()
     remembers_requests = False  # what it drafts depends on earlier requests (a cross-request memory)
     # It drafts from the text alone (no state of the committed tokens), so `propose` takes `pending`: per row,
     # tokens drafted before its own (a grammar's forced continuation) to draft after.
     drafts_from_text = False
     keeps_own_kv = False  # it has a cache of its own whose keys and values the prefix cache keeps (prefill's `own`)
+
+    @property
+    def uses_features(self) -> bool:
+        return bool(self.feature_layers)
 
     def attach(self, cache: BatchCache) -> None:
         """The engine's target cache, once: a drafter that drafts from the target's own cache keeps it."""
@@ -87,7 +93,7 @@ class Drafter(ABC):
         return None
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
-        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, H] are its prefilled tokens',
+        """A new sequence joins as the last row; `features` [len(seq.tokens) - 1, F] are its prefilled tokens',
         `row` what its `prefill` returned."""
 
     def remove(self, keep: list[int]) -> None:
@@ -104,7 +110,7 @@ class Drafter(ABC):
         self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
     ) -> None:
         """The target kept nodes paths[i] of row i's proposal, root to leaf (a chain's first len(paths[i]));
-        seqs are already extended. features[i] [len(paths[i]) + 1, H] are those of the tokens this step
+        seqs are already extended. features[i] [len(paths[i]) + 1, F] are those of the tokens this step
         committed to the cache: the row's previous last token, then each kept node (None unless uses_features)."""
 
 

@@ -13,6 +13,9 @@ form the proposal; a child never outscores its parent, so the kept nodes form a 
 are deterministic (q one-hot), which keeps tree sampling exact. The pending slots are dropped
 after the proposal: once the target has judged it, `accepted` feeds the committed tokens with
 the target's real features, as EAGLE does, so the cache never holds a rejected node.
+
+EAGLE-3's network (models/eagle3_net.py) drafts the same way from the target's features at three depths; its
+config (drafters/eagle3.py) makes the tree a chain by default.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.artifacts import EAGLE
-from ..models.eagle_net import EagleNet, load_eagle
+from ..models.eagle_net import CachedDraftLayer, load_eagle
 from ..models.runner import BatchCache
 from ..sequence import Sequence
 from .base import Drafter, DrafterBuilder, Proposal
@@ -33,18 +36,16 @@ if TYPE_CHECKING:
 
 
 class EagleDrafter(Drafter):
-    """A dynamic draft tree per row from the EAGLE network over the target's features."""
+    """A dynamic draft tree per row from an EAGLE network (EAGLE's or EAGLE-3's) over the target's features."""
 
-    uses_features = True
-
-    def __init__(self, net: EagleNet, top_k: int, depth: int, total_tokens: int):
+    def __init__(self, net: CachedDraftLayer, top_k: int, depth: int, total_tokens: int):
         self.net = net
         self.top_k = top_k
         self.depth = depth
         self.total_tokens = total_tokens
-        device = net.fc.weight.device
-        self.cache = BatchCache.empty(device)
-        self.roots = torch.zeros(0, net.hidden_size, dtype=net.fc.weight.dtype, device=device)
+        self.feature_layers = net.feature_layers
+        self.cache = BatchCache.empty(net.device)
+        self.roots = torch.zeros(0, net.hidden_size, dtype=net.dtype, device=net.device)
 
     def add(self, seq: Sequence, features: torch.Tensor | None = None, row: BatchCache | None = None) -> None:
         device = self.cache.device
@@ -106,7 +107,7 @@ class EagleDrafter(Drafter):
             return
         device = self.cache.device
         batch = len(seqs)
-        inputs = self.roots.new_zeros(batch, width, self.net.hidden_size)
+        inputs = self.roots.new_zeros(batch, width, features[0].shape[-1])
         tokens = torch.zeros(batch, width, dtype=torch.long)
         keep = torch.zeros(batch, width, dtype=torch.bool)
         for i, (seq, start, count) in enumerate(zip(seqs, fed, counts)):

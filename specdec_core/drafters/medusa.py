@@ -69,7 +69,7 @@ def candidate_tree(probs: list[list[float]], budget: int) -> tuple[list[tuple[in
 class MedusaDrafter(Drafter):
     """Per-step candidate trees from Medusa heads over the target's own features."""
 
-    uses_features = True
+    feature_layers = (-1,)  # the target's final-normed last hidden state
 
     def __init__(self, target: ModelRunner, heads: MedusaHeads, vocab: ReducedVocab | None, tree_nodes: int, top_k: int):
         """`vocab`: the reduced vocabulary the heads were trained over (their output layer is those rows

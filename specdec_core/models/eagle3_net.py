@@ -19,12 +19,24 @@ reduced vocabulary and is trained.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import DynamicCache
 
+from .artifacts import EAGLE3, load_artifact
+from .eagle_net import CachedDraftLayer
+from .quant import quantize_linears
+from .runner import BatchCache
 from .vocab import ReducedVocab
+
+
+def feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target's hidden states EAGLE-3 reads (index i: decoder layer i's output, counted from 1): low, middle
+    and high, layers 2, N/2 and N-3 of N as SpecForge takes them (a two-layer test model: 2, 1 and 1)."""
+    return min(2, num_layers), max(num_layers // 2, 1), max(num_layers - 3, 1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -34,8 +46,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-class Eagle3Net(nn.Module):
-    """fc over three depths' features; one decoder layer reading [token embedding ; features]; norm; output layer."""
+class Eagle3Net(CachedDraftLayer):
+    """fc over three depths' features; one decoder layer reading [token embedding ; features]; norm; output layer.
+    Served by the EAGLE drafter (drafters/eagle.py): `feed` takes the target's three depths concatenated [.., 3H]
+    and fuses them; `feed_pending` takes the layer's own outputs."""
 
     def __init__(self, target: nn.Module, vocab: ReducedVocab, intermediate_size: int | None = None):
         super().__init__()
@@ -63,10 +77,11 @@ class Eagle3Net(nn.Module):
         self._frozen = {"embed": decoder.embed_tokens}  # the target's: out of the module tree, never saved or trained
         self.vocab = vocab
         self.hidden_size, self.intermediate_size = hidden, inner
+        self.feature_layers = feature_layers(config.num_hidden_layers)
 
     def fuse(self, low: torch.Tensor, middle: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         """The fused features [..., H] of the target's three depths [..., H] each."""
-        return self.fc(torch.cat([low, middle, high], dim=-1).to(self.fc.weight.dtype))
+        return self.fc(torch.cat([low, middle, high], dim=-1).to(self.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., V'] over the reduced vocabulary from the layer's output [..., H]."""
@@ -90,19 +105,22 @@ class Eagle3Net(nn.Module):
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The layer's output [B, T, H] for pairs (hidden, tokens) at `positions`, attending `past`'s keys and values
-        then their own, as `mask` [B, T, past + T] (bool: query attends key) allows; and the keys and values
-        attended (past's then these pairs'), for the next call."""
+                kv: DynamicCache | None = None) -> torch.Tensor:
+        """The layer's output [B, T, H] for pairs (hidden, tokens) at `positions`, attending `kv`'s keys and values
+        then their own, as `mask` [B, T, past + T] (bool: query attends key) allows; the pairs' keys and values
+        are appended to `kv`."""
         q, k, v = self.keys_values(hidden, tokens, positions)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if kv is not None:
+            k, v = kv.update(k, v, 0)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
         batch, length = tokens.shape
         out = hidden + self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
         normed = self.mlp_norm(out)
-        return out + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), (k, v)
+        return out + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+    def feed(self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """CachedDraftLayer.feed over the target's three depths, concatenated (features [B, k, 3H])."""
+        return super().feed(cache, self.fuse(*features.chunk(3, dim=-1)), tokens, keep)
 
 
 def ttt_masks(valid: torch.Tensor, step: int) -> torch.Tensor:
@@ -117,9 +135,25 @@ def ttt_masks(valid: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def ttt_step(net: Eagle3Net, hidden: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, step: int,
-             past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+             kv: DynamicCache) -> torch.Tensor:
     """Training-time test's step `step` (module notes): inputs `hidden` [B, T, H] (step 0: the fused features;
-    later: the previous step's output) with `tokens` [B, T] (token t+1+step at slot t), attending `past` (the
-    earlier steps' keys and values). Returns the output and the keys and values so far."""
+    later: the previous step's output) with `tokens` [B, T] (token t+1+step at slot t), attending `kv` (the
+    earlier steps' keys and values, to which this step's are appended). Returns the output."""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) + step
-    return net(hidden, tokens, positions, ttt_masks(valid, step), past)
+    return net(hidden, tokens, positions, ttt_masks(valid, step), kv)
+
+
+def load_eagle3(name_or_path: str | Path, target: nn.Module, target_name: str, precision: str | None) -> Eagle3Net:
+    """The trained EAGLE-3 drafter `name_or_path` for `target`, in its dtype, its linear layers at `precision` (one
+    of quant.QUANTIZED; None: as trained); MissingArtifactError naming the command that trains it."""
+    output = target.get_output_embeddings()
+    artifact = load_artifact(EAGLE3, name_or_path, target_name, hidden_size=target.config.hidden_size,
+                             full_vocab_size=output.out_features, device=str(next(target.parameters()).device))
+    if artifact.vocab is None:
+        raise ValueError(f"{artifact.directory} has no draft vocabulary: not an EAGLE-3 drafter")
+    net = Eagle3Net(target, artifact.vocab, artifact.meta["intermediate_size"])
+    net.load_state_dict(artifact.tensors)
+    net = net.to(next(target.parameters()).dtype).eval().requires_grad_(False)
+    if precision is not None:
+        quantize_linears(net, precision)
+    return net

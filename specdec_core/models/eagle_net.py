@@ -32,8 +32,53 @@ from .runner import BatchCache, additive_mask
 from .vocab import ReducedVocab
 
 
-class EagleNet(nn.Module):
+class CachedDraftLayer(nn.Module):
+    """A draft network of one decoder layer over pairs (feature, token) kept in its own `BatchCache`: EAGLE's and
+    EAGLE-3's. A subclass's forward(features, tokens, positions, mask, kv) returns its output [B, k, H], what the
+    pairs predict; the cache's keys and values of the pairs are appended to `kv` (a DynamicCache) when given."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: its first float parameter's (a quantized layer keeps integer weights)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @torch.no_grad()
+    def feed(self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Append pairs [B, k] causally after each row's valid slots and keep those where `keep` [B, k];
+        returns the predicted features [B, k, H]. There must be no pending (tree) slots."""
+        batch, k = tokens.shape
+        device = cache.device
+        cache.reserve(batch, 0)
+        causal = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
+        mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), causal], dim=2)
+        positions = cache.lengths[:, None] + torch.arange(k, device=device)
+        predicted = self(features, tokens, positions, mask, cache.kv)
+        cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=device)], dim=1)
+        cache.commit(keep)
+        return predicted
+
+    @torch.no_grad()
+    def feed_pending(
+        self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, depth: int, pending_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Tree nodes [B, k] at `depth` (1: children of the row's last token) as pending slots after earlier ones:
+        each attends its row's valid slots, the pending slots `pending_mask` [B, k, P] allows, and itself.
+        Drop them with `cache.drop_pending()`. Returns the predicted features [B, k, H]."""
+        batch, k = tokens.shape
+        self_mask = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(batch, k, k)
+        mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), pending_mask, self_mask], dim=2)
+        positions = (cache.lengths + depth - 1)[:, None].expand(batch, k)
+        return self(features, tokens, positions, mask, cache.kv)
+
+
+class EagleNet(CachedDraftLayer):
     """fc over [feature ; token embedding], one decoder layer of the target's kind; frozen embed and head."""
+
+    feature_layers = (-1,)  # of the target's hidden states: its final-normed last one
 
     def __init__(self, target: nn.Module, vocab: ReducedVocab | None = None):
         super().__init__()
@@ -86,36 +131,6 @@ class EagleNet(nn.Module):
             hidden, attention_mask=additive_mask(mask, hidden.dtype)[:, None], position_ids=positions, cache=kv,
             use_cache=kv is not None, position_embeddings=rotary,
         )
-
-    # -- the draft's own cache -------------------------------------------------
-
-    @torch.no_grad()
-    def feed(self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Append pairs [B, k] causally after each row's valid slots and keep those where `keep` [B, k];
-        returns the predicted features [B, k, H]. There must be no pending (tree) slots."""
-        batch, k = tokens.shape
-        device = cache.device
-        cache.reserve(batch, 0)
-        causal = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
-        mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), causal], dim=2)
-        positions = cache.lengths[:, None] + torch.arange(k, device=device)
-        predicted = self(features, tokens, positions, mask, cache.kv)
-        cache.valid = torch.cat([cache.valid, torch.zeros(batch, k, dtype=torch.bool, device=device)], dim=1)
-        cache.commit(keep)
-        return predicted
-
-    @torch.no_grad()
-    def feed_pending(
-        self, cache: BatchCache, features: torch.Tensor, tokens: torch.Tensor, depth: int, pending_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Tree nodes [B, k] at `depth` (1: children of the row's last token) as pending slots after earlier ones:
-        each attends its row's valid slots, the pending slots `pending_mask` [B, k, P] allows, and itself.
-        Drop them with `cache.drop_pending()`. Returns the predicted features [B, k, H]."""
-        batch, k = tokens.shape
-        self_mask = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(batch, k, k)
-        mask = torch.cat([cache.valid[:, None, :].expand(batch, k, cache.slots), pending_mask, self_mask], dim=2)
-        positions = (cache.lengths + depth - 1)[:, None].expand(batch, k)
-        return self(features, tokens, positions, mask, cache.kv)
 
     # -- saving and loading ----------------------------------------------------
 

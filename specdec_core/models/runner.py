@@ -72,6 +72,12 @@ class _EmptyRows:
         self.values = layer.values.new_zeros(shape)
 
 
+def select_features(hidden: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """A pass's hidden states (each layer's input [B, k, H], then the final-normed output) at indices `layers`,
+    concatenated [B, k, len(layers) H]: what a feature drafter reads."""
+    return hidden[layers[0]] if len(layers) == 1 else torch.cat([hidden[i] for i in layers], dim=-1)
+
+
 @dataclass
 class BatchCache:
     """KV cache of a batch: shared slots, a per-row mask of valid slots, and the bookkeeping that keeps
@@ -235,8 +241,8 @@ class ModelRunner:
         c, q, kv = self.config, self.config.num_attention_heads * self.head_dim, self.config.num_key_value_heads * self.head_dim
         return (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size) / (2 * q)
 
-    def token_bytes(self, features: bool) -> int:
-        """Bytes one position's keys and values take in every layer, plus its hidden state with `features`."""
+    def token_bytes(self, features: int) -> int:
+        """Bytes one position's keys and values take in every layer, plus `features` of its hidden states."""
         size = torch.finfo(self.dtype).bits // 8
         return size * (2 * self.num_layers * self.config.num_key_value_heads * self.head_dim + features * self.config.hidden_size)
 
@@ -344,17 +350,18 @@ class ModelRunner:
         return decoder.norm(hidden)
 
     def prefill(
-        self, token_ids: list[int], all_logits: bool = False, features: bool = False, row_invariant: bool = False
+        self, token_ids: list[int], all_logits: bool = False, features: tuple[int, ...] = (), row_invariant: bool = False
     ) -> tuple[BatchCache, torch.Tensor, torch.Tensor | None]:
         """A one-row cache holding `token_ids`; their logits ([len, V] with all_logits, else the last [1, V]);
-        with `features`, the final-normed last hidden states [len, H] (what the output layer reads), else None;
-        `row_invariant`: computed as decoding computes them (an engine's exact prefill)."""
+        with `features`, those of their hidden states (`select_features`) [len, F], else None; `row_invariant`:
+        computed as decoding computes them (an engine's exact prefill)."""
         cache = self.new_cache()
         if not token_ids:
             cache.reserve(1, 0)
-            hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device) if features else None
+            width = len(features) * self.config.hidden_size
+            hidden = torch.zeros(0, width, dtype=self.dtype, device=self.device) if features else None
             return cache, torch.zeros(0, self.vocab_size, device=self.device), hidden
         ids = torch.tensor([token_ids], device=self.device)
-        logits, hidden = self.forward(cache, ids, commit=True, last_logits_only=not all_logits, hidden_states=features,
-                                      row_invariant=row_invariant)
-        return cache, logits[0], hidden[-1][0] if features else None
+        logits, hidden = self.forward(cache, ids, commit=True, last_logits_only=not all_logits,
+                                      hidden_states=bool(features), row_invariant=row_invariant)
+        return cache, logits[0], select_features(hidden, features)[0] if features else None

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from specdec_core.models.artifacts import save_tensors
+from specdec_core.models.eagle3_net import feature_layers
 from specdec_core.models.paths import cache_dir, held_alone
 from specdec_core.models.runner import ModelRunner
 
@@ -38,15 +39,9 @@ from .answers import Shard, file_sha256
 FORMAT = "specdec-depth-features-1"
 
 
-def depths(num_layers: int) -> tuple[int, int, int]:
-    """The decoder layers (counted from 1) whose outputs EAGLE-3 reads: low, middle, high (within the model: a
-    two-layer test model reads layers 2, 1 and 1)."""
-    return min(2, num_layers), max(num_layers // 2, 1), max(num_layers - 3, 1)
-
-
 def features_dir(runner: ModelRunner) -> Path:
     """Where `runner`'s depth features are cached."""
-    identity = json.dumps([FORMAT, str(runner.dtype), depths(runner.config.num_hidden_layers)]).encode()
+    identity = json.dumps([FORMAT, str(runner.dtype), feature_layers(runner.config.num_hidden_layers)]).encode()
     return cache_dir() / "depth-features" / runner.name.replace("/", "--") / hashlib.sha256(identity).hexdigest()[:16]
 
 
@@ -56,7 +51,7 @@ def sequence_features(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Te
     out = runner.model.get_decoder()(input_ids=torch.tensor([ids], device=runner.device), use_cache=False,
                                      output_hidden_states=True)
     hidden = out.hidden_states  # [0] the embeddings, [i] layer i's output
-    low, middle, high = depths(runner.config.num_hidden_layers)
+    low, middle, high = feature_layers(runner.config.num_hidden_layers)
     return {"low": hidden[low][0], "middle": hidden[middle][0], "high": hidden[high][0], "last": out.last_hidden_state[0]}
 
 
@@ -85,7 +80,7 @@ def extract(runner: ModelRunner, answers: Path, progress: bool = True) -> Path:
         meta_path = directory / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
             "format": FORMAT, "target": runner.name, "dtype": str(runner.dtype).removeprefix("torch."),
-            "depths": depths(runner.config.num_hidden_layers), "shards": {}}
+            "depths": feature_layers(runner.config.num_hidden_layers), "shards": {}}
         digests = {path: file_sha256(path) for path in shards}
         todo = [path for path in shards
                 if meta["shards"].get(path.stem.replace("shard", "features"), {}).get("answers_sha256") != digests[path]]

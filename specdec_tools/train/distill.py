@@ -72,7 +72,7 @@ def first_layers(runner: ModelRunner, ids: list[int], k: int) -> torch.Tensor:
 @torch.no_grad()
 def final_hidden(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """[len(ids), H]: what `runner`'s output layer reads at each position of `ids` (a draft model's student input)."""
-    return runner.prefill(ids, features=True)[2].cpu()
+    return runner.prefill(ids, features=(-1,))[2].cpu()
 
 
 def student_inputs(data: Features, trunk: Callable[[list[int]], torch.Tensor], prefix: str,

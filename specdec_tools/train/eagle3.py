@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.nn import functional as F
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from specdec_core.models.artifacts import EAGLE3, artifact_dir, checkpoint_path, save_artifact
 from specdec_core.models.eagle3_net import Eagle3Net, ttt_step
@@ -108,11 +109,11 @@ def ttt_loss(net: Eagle3Net, batch: Batch, settings: Eagle3Settings) -> tuple[to
     """The training-time test's weighted loss over `settings.steps` steps, and per step the accuracy and the slots
     scored."""
     width = batch.valid.shape[1]
-    hidden, past = net.fuse(batch.low, batch.middle, batch.high), None
+    hidden, kv = net.fuse(batch.low, batch.middle, batch.high), DynamicCache()
     total = torch.zeros(())
     accuracy, counted = [], []
     for step in range(settings.steps):
-        hidden, past = ttt_step(net, hidden, batch.tokens[:, 1 + step : 1 + step + width], batch.valid, step, past)
+        hidden = ttt_step(net, hidden, batch.tokens[:, 1 + step : 1 + step + width], batch.valid, step, kv)
         at = slice(1 + step, 1 + step + width)  # slot t drafts the token after position t + 1 + step
         labels = batch.labels[:, at]
         scored = (labels >= 0) & batch.valid
