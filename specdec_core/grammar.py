@@ -239,6 +239,7 @@ class Vocabulary:
         for token in stop_token_ids:
             self.stops_only[0, token // 32] |= _bit(token % 32)
         self._utf8_masks: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.utf8_mask(UTF8_START)  # at start, not on the first structured request's step: a pass over the vocabulary
 
     def utf8_mask(self, state: tuple[int, int, int]) -> torch.Tensor:
         """[W]: the tokens whose bytes can follow UTF-8 state `state` (made once per state)."""

@@ -114,18 +114,18 @@ def trained_data(tmp_path_factory):
                progress=False)
         runner = load_runner(config.model.target, config.model)
         features = depth_features.extract(runner, root / "answers", progress=False)
-        yield runner, features, root / "answers", root
+        yield runner, features, root
 
 
 @pytest.fixture(scope="module")
 def trained(trained_data) -> dict:
     """The drafter trained on them, saved as <root>/net: its JSON."""
-    runner, features, answers, root = trained_data
-    return train(runner, features, answers, root / "net", TRAIN, progress=False)
+    runner, features, root = trained_data
+    return train(runner, features, root / "net", TRAIN, progress=False)
 
 
 def test_training_lowers_the_loss_and_saves_a_drafter_with_its_vocabulary(trained_data, trained):
-    runner, features, answers, root = trained_data
+    runner, features, root = trained_data
     meta = trained
     assert meta["last_batch"]["loss"] < meta["first_batch"]["loss"]
     heldout = meta["heldout"]
@@ -137,8 +137,8 @@ def test_training_lowers_the_loss_and_saves_a_drafter_with_its_vocabulary(traine
 
 
 def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monkeypatch):
-    runner, features, answers, root = trained_data
-    whole = train(runner, features, answers, root / "whole", TRAIN, progress=False)
+    runner, features, root = trained_data
+    whole = train(runner, features, root / "whole", TRAIN, progress=False)
     save = loop.save_checkpoint
 
     def stop_after_save(*args):
@@ -147,23 +147,23 @@ def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monke
 
     monkeypatch.setattr(loop, "save_checkpoint", stop_after_save)
     with pytest.raises(KeyboardInterrupt):
-        train(runner, features, answers, root / "resumed", TRAIN, progress=False)
+        train(runner, features, root / "resumed", TRAIN, progress=False)
     monkeypatch.setattr(loop, "save_checkpoint", save)
-    resumed = train(runner, features, answers, root / "resumed", TRAIN, resume=True, progress=False)
+    resumed = train(runner, features, root / "resumed", TRAIN, resume=True, progress=False)
     assert resumed["last_batch"] == whole["last_batch"] and resumed["heldout"] == whole["heldout"]
     ours, theirs = (load_file(str(root / name / "eagle3.safetensors")) for name in ("whole", "resumed"))
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
     with pytest.raises(ValueError, match="other settings"):  # a checkpoint continues only the run that made it
         monkeypatch.setattr(loop, "save_checkpoint", stop_after_save)
         with pytest.raises(KeyboardInterrupt):
-            train(runner, features, answers, root / "other", TRAIN, progress=False)
+            train(runner, features, root / "other", TRAIN, progress=False)
         monkeypatch.setattr(loop, "save_checkpoint", save)
-        train(runner, features, answers, root / "other", dataclasses.replace(TRAIN, lr=1e-3), resume=True, progress=False)
+        train(runner, features, root / "other", dataclasses.replace(TRAIN, lr=1e-3), resume=True, progress=False)
 
 
 @pytest.mark.parametrize("precision", ["int4", "bf16"])
 def test_the_trained_drafter_serves_from_its_config_and_its_text_is_plain_decodings(trained_data, trained, precision):
-    runner, _, _, root = trained_data
+    runner, _, root = trained_data
     config = Config.load(CONFIG).model_copy(deep=True)
     config.speculation.drafter = "eagle3"
     config.speculation.eagle3 = Eagle3Config(weights=str(root / "net"), precision=precision)
@@ -176,7 +176,7 @@ def test_the_trained_drafter_serves_from_its_config_and_its_text_is_plain_decodi
 
 
 def test_a_drafter_of_another_target_is_refused_with_the_command_that_trains_one(trained_data, trained):
-    _, _, _, root = trained_data
+    _, _, root = trained_data
     other = tiny_runner(seed=1, vocab=64)
     with pytest.raises(MissingArtifactError, match=r"trained for .*specdec train eagle3 --config .* --out"):
         load_eagle3(root / "net", other.model, "another-target", "int4")

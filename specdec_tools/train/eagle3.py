@@ -10,12 +10,12 @@ target's own argmax, the answer being greedy), given the real tokens before it: 
 kept when drafts 1..k-1 were. The expected accepted length of a chain of `steps` drafts is then
 1 + sum over k of the product of the accuracies up to k.
 
-The draft vocabulary is the `vocab_size` most frequent tokens of the answers (EOS always among them).
+The draft vocabulary is the `vocab_size` most frequent tokens of the answers trained on (EOS always among them).
 
 Shards are read one at a time (24 GB at 2M positions do not fit in memory): an epoch visits the shards in a seeded
 order and each shard's training sequences in a seeded order, `batch_sequences` a batch. A checkpoint beside the
 output (the network, the optimizer, the batches done) is written every `save_every` batches; a resumed run
-recomputes the order and skips the batches done, so it continues exactly. Held out: the prompts whose id is
+recomputes the order and skips the batches done (whole shards unread), so it continues exactly. Held out: the prompts whose id is
 heldout_every // 2 modulo heldout_every.
 """
 
@@ -41,22 +41,24 @@ from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab
 
 from . import loop
-from .answers import Shard
 from .settings import Eagle3Settings
 
-Sequence = dict[str, torch.Tensor]  # low, middle, high, last [T, H]; tokens [T]; answer_start []
+Example = dict[str, torch.Tensor]  # one sequence's low, middle, high, last [T, H]; tokens [T]; answer_start []
 
 
-def draft_vocab(answers: Path, size: int, full_size: int, always: set[int]) -> ReducedVocab:
-    """The `size` most frequent tokens of the answers in `answers` (prompts not counted), `always` among them."""
+def draft_vocab(files: list[Path], size: int, full_size: int, always: set[int]) -> ReducedVocab:
+    """The `size` most frequent tokens of the answers in features shards `files` (prompts not counted), `always`
+    among them."""
     counts = torch.zeros(full_size)
-    for path in sorted(answers.glob("shard-*.npz")):
-        for answer in Shard.load(path).answers:
-            counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=full_size)[:full_size]
+    for path in files:
+        with safe_open(str(path), "pt") as shard:
+            tokens, lengths, starts = (shard.get_tensor(key) for key in ("tokens", "lengths", "answer_starts"))
+        for sequence, start in zip(tokens.split(lengths.tolist()), starts.tolist()):
+            counts += torch.bincount(sequence[start:], minlength=full_size)[:full_size]
     return ReducedVocab.most_frequent(counts, min(size, full_size), always)
 
 
-def shard_sequences(path: Path, heldout: bool, settings: Eagle3Settings) -> list[Sequence]:
+def shard_sequences(path: Path, heldout: bool, settings: Eagle3Settings) -> list[Example]:
     """The training (or held-out) sequences of one features shard."""
     data = load_file(str(path))
     lengths = data["lengths"].tolist()
@@ -78,7 +80,7 @@ class Batch:
     labels: torch.Tensor  # [B, T + steps + 1]: draft-vocabulary index of the token after each position; -1 not scored
 
 
-def make_batch(sequences: list[Sequence], vocab: ReducedVocab, head: torch.nn.Linear, steps: int) -> Batch:
+def make_batch(sequences: list[Example], vocab: ReducedVocab, head: torch.nn.Linear, steps: int) -> Batch:
     """`sequences` padded together; `head`: the target's output rows for the draft vocabulary."""
     width = max(len(s["tokens"]) for s in sequences)
     hidden = sequences[0]["low"].shape[1]
@@ -134,25 +136,33 @@ def expected_length(accuracy: list[float]) -> float:
     return length
 
 
-def batches(files: list[Path], epoch: int, settings: Eagle3Settings) -> Iterator[list[Sequence]]:
-    """An epoch's training batches: shards in a seeded order, each shard's sequences in a seeded order."""
+def batches(files: list[Path], epoch: int, settings: Eagle3Settings, skip: int = 0) -> Iterator[list[Example]]:
+    """An epoch's training batches after its first `skip`: shards in a seeded order, each shard's sequences in a
+    seeded order (a shard whose batches are all skipped is not read)."""
     generator = torch.Generator().manual_seed(settings.seed + epoch)
     for shard in torch.randperm(len(files), generator=generator).tolist():
+        count = _training_count(files[shard], settings)
+        order = torch.randperm(count, generator=generator).tolist()
+        starts = range(0, count, settings.batch_sequences)
+        if skip >= len(starts):
+            skip -= len(starts)
+            continue
         sequences = shard_sequences(files[shard], False, settings)
-        order = torch.randperm(len(sequences), generator=generator).tolist()
-        for start in range(0, len(order), settings.batch_sequences):
+        for start in starts[skip:]:
             yield [sequences[i] for i in order[start : start + settings.batch_sequences]]
+        skip = 0
+
+
+def _training_count(path: Path, settings: Eagle3Settings) -> int:
+    """A features shard's training sequences, from its prompt ids alone (safetensors reads one tensor)."""
+    with safe_open(str(path), "pt") as shard:
+        ids = shard.get_tensor("ids")
+    return int((ids % settings.heldout_every != settings.heldout_every // 2).sum())
 
 
 def batches_per_epoch(files: list[Path], settings: Eagle3Settings) -> int:
-    """How many batches an epoch has, from the shards' prompt ids alone (safetensors reads one tensor)."""
-    total = 0
-    for path in files:
-        with safe_open(str(path), "pt") as shard:
-            ids = shard.get_tensor("ids")
-        count = int((ids % settings.heldout_every != settings.heldout_every // 2).sum())
-        total += -(-count // settings.batch_sequences)
-    return total
+    """How many batches an epoch has."""
+    return sum(-(-_training_count(path, settings) // settings.batch_sequences) for path in files)
 
 
 @torch.no_grad()
@@ -173,36 +183,38 @@ def heldout_figures(net: Eagle3Net, files: list[Path], vocab: ReducedVocab, head
             "slots": counted}
 
 
-def train(runner: ModelRunner, features: Path, answers: Path, out: str | Path, settings: Eagle3Settings,
-          resume: bool = False, progress: bool = True) -> dict:
-    """Train EAGLE-3's drafter for `runner`'s target on the features in `features` (of the answers in `answers`),
-    save it as `out`; what its JSON says."""
+def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3Settings, resume: bool = False,
+          progress: bool = True, shards: int | None = None) -> dict:
+    """Train EAGLE-3's drafter for `runner`'s target on the depth features in `features` (the first `shards`
+    shards, default all), save it as `out`; what its JSON says."""
     directory = artifact_dir(EAGLE3, out)
     checkpoint = checkpoint_path(directory)
     meta = json.loads((features / "meta.json").read_text())
-    files = [features / f"{name}.safetensors" for name in sorted(meta["shards"])]
+    meta["shards"] = {name: meta["shards"][name] for name in sorted(meta["shards"])[:shards]}
+    files = [features / f"{name}.safetensors" for name in meta["shards"]]
     torch.manual_seed(settings.seed)
     eos = runner.tokenizer.eos_token_id if runner.tokenizer is not None else None
-    vocab = draft_vocab(answers, settings.vocab_size, runner.model.get_output_embeddings().out_features,
+    vocab = draft_vocab(files, settings.vocab_size, runner.model.get_output_embeddings().out_features,
                         set() if eos is None else {eos})
     net = Eagle3Net(runner.model, vocab, settings.intermediate_size).float().train()
     head = vocab.head(runner.model.get_output_embeddings()).float()
     optimizer = torch.optim.AdamW(net.parameters(), lr=settings.lr)
-    total = settings.epochs * batches_per_epoch(files, settings)
+    per_epoch = batches_per_epoch(files, settings)
+    total = settings.epochs * per_epoch
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     # A checkpoint continues only the run that made it: the same settings over the same shards.
     identity = {"settings": dataclasses.asdict(settings), "shards": meta["shards"]}
     done = 0
     if resume and checkpoint.is_file():
         done, _ = loop.restore_checkpoint(checkpoint, identity, net, optimizer, scheduler)
-    start, first, last, step = time.perf_counter(), None, None, 0
+    start, first, last, step = time.perf_counter(), None, None, done
     with tqdm(total=total, initial=done, desc="train eagle3", unit="batch", disable=not progress) as bar:
         for epoch in range(settings.epochs):
-            for chosen in batches(files, epoch, settings):
+            # The order is the seed's: a resumed run skips exactly the batches done.
+            for chosen in batches(files, epoch, settings, skip=max(0, done - epoch * per_epoch)):
                 step += 1
-                if step <= done:  # the order is the seed's: a resumed run skips exactly the batches done
-                    continue
-                loss, accuracy, _ = ttt_loss(net, make_batch(chosen, vocab, head, settings.steps), settings)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+                    loss, accuracy, _ = ttt_loss(net, make_batch(chosen, vocab, head, settings.steps), settings)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
@@ -220,7 +232,8 @@ def train(runner: ModelRunner, features: Path, answers: Path, out: str | Path, s
     record = {
         "target": runner.name, "architecture": "eagle3", "depths": meta["depths"],
         "hidden_size": net.hidden_size, "intermediate_size": net.intermediate_size,
-        "data": {"features": str(features), "answers": str(answers), "positions": positions, "shards": len(files)},
+        "data": {"features": str(features), "positions": positions, "shards": len(files),
+                 "answers_sha256": {name: entry["answers_sha256"] for name, entry in meta["shards"].items()}},
         "train": dataclasses.asdict(settings), "batches": total, "first_batch": first, "last_batch": last, "heldout": figures,
         "train_s": round(time.perf_counter() - start, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 from .settings import Eagle3Settings
 
@@ -15,9 +14,10 @@ def add_arguments(trainers) -> None:
     """`eagle3` as a subcommand of `specdec train` (`trainers`: the train command's subparsers)."""
     p = trainers.add_parser("eagle3", help="EAGLE-3's drafter on the target's depth features (run answers, then features)")
     p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
-    p.add_argument("--answers", type=Path, help="the answers' directory (default: data/train/answers/<target>)")
     p.add_argument("--out", help="name of the result, saved under <cache>/eagle3/NAME; default <target>-eagle3")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
+    p.add_argument("--shards", type=int, help="train on the first N features shards (a learning-curve point; default: all)")
+    p.add_argument("--fp32", action="store_true", help="train in fp32, not under bf16 autocast (for a CPU without bf16)")
     for field, help_text in (("steps", "training-time test's steps"), ("epochs", "passes over the features"),
                              ("lr", "AdamW learning rate"), ("vocab_size", "draft vocabulary"),
                              ("intermediate_size", "the layer's MLP width"), ("batch_sequences", "sequences a batch")):
@@ -32,7 +32,6 @@ def eagle3_command(args) -> int:
     from specdec_core.models.artifacts import EAGLE3, artifact_dir
     from specdec_core.models.loading import load_runner
 
-    from .answers import ANSWERS_DIR
     from .depth_features import features_dir
     from .eagle3 import train
 
@@ -46,9 +45,10 @@ def eagle3_command(args) -> int:
               file=sys.stderr)
         return 2
     settings = Eagle3Settings(steps=args.steps, epochs=args.epochs, lr=args.lr, vocab_size=args.vocab_size,
-                              intermediate_size=args.intermediate_size, batch_sequences=args.batch_sequences)
+                              intermediate_size=args.intermediate_size, batch_sequences=args.batch_sequences,
+                              bf16=not args.fp32)
     name = args.out or EAGLE3.default_name(target)
-    meta = train(runner, features, args.answers or ANSWERS_DIR / target, name, settings, args.resume)
+    meta = train(runner, features, name, settings, args.resume, shards=args.shards)
     heldout = meta["heldout"]
     print(f"eagle3 {name!r} for {target}: {meta['data']['positions']:,} positions, {meta['batches']} batches, "
           f"{meta['train_s']} s; held out: step accuracy {heldout['step_accuracy']}, expected accepted length "

@@ -69,6 +69,9 @@ class Eagle3Settings:
     heldout_every: int = 20  # one prompt in n is held out (by its id)
     save_every: int = 50  # batches between checkpoints
     seed: int = 0
+    # Forward and backward under bf16 autocast (fp32 weights and optimizer): 2.7x faster than fp32 on an AMD EPYC
+    # with AVX-512 BF16 (6.5 against 17.5 s a batch), the same loss to 1e-3.
+    bf16: bool = True
 
 
 @dataclass(frozen=True)

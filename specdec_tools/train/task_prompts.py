@@ -118,16 +118,17 @@ TEXT_TASKS = (
 NATURAL_LANGUAGES = ("French", "Spanish", "German", "Chinese", "Japanese", "Portuguese", "Italian", "Korean")
 
 
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
 def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [path for path in sorted(root.rglob("*.py"))
-            if not any(part in SKIPPED_PACKAGES for part in path.relative_to(root).parts[:-1])
+    return [path for path in sorted(STDLIB.rglob("*.py"))
+            if not any(part in SKIPPED_PACKAGES for part in path.relative_to(STDLIB).parts[:-1])
             and not path.name.startswith("test_")]
 
 
 def _module_name(path: Path) -> str:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    return ".".join(path.relative_to(STDLIB).with_suffix("").parts).removesuffix(".__init__")
 
 
 @functools.cache
