@@ -6,6 +6,7 @@ test_eagle.py, test_invisible.py, test_prefix_cache.py)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -180,6 +181,14 @@ def test_a_drafter_of_another_target_is_refused_with_the_command_that_trains_one
     other = tiny_runner(seed=1, vocab=64)
     with pytest.raises(MissingArtifactError, match=r"trained for .*specdec train eagle3 --config .* --out"):
         load_eagle3(root / "net", other.model, "another-target", "int4")
+
+
+def test_the_learning_curve_lists_each_drafters_heldout_figures(trained_data, trained, tmp_path):
+    _, _, root = trained_data
+    assert main(["train", "eagle3-curve", str(root / "net"), "--out", str(tmp_path)]) == 0
+    point, = json.loads((tmp_path / "learning-curve.json").read_text())["points"]
+    assert point["positions"] == trained["data"]["positions"] and point["step_accuracy"] == trained["heldout"]["step_accuracy"]
+    assert (tmp_path / "learning-curve.png").stat().st_size > 0
 
 
 def test_cli_says_to_make_the_features_first(tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from .settings import Eagle3Settings
 
@@ -25,6 +26,11 @@ def add_arguments(trainers) -> None:
         p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default,
                        help=f"{help_text} (default: %(default)s)")
     p.set_defaults(func=eagle3_command)
+
+    p = trainers.add_parser("eagle3-curve", help="EAGLE-3's learning curve: trained drafters' held-out figures, a table and a plot")
+    p.add_argument("names", nargs="+", help="trained drafters (names under <cache>/eagle3, or directories)")
+    p.add_argument("--out", type=Path, required=True, help="the run folder to write learning-curve.json and .png to")
+    p.set_defaults(func=curve_command)
 
 
 def eagle3_command(args) -> int:
@@ -54,4 +60,14 @@ def eagle3_command(args) -> int:
           f"{meta['train_s']} s; held out: step accuracy {heldout['step_accuracy']}, expected accepted length "
           f"{heldout['expected_length']} over {settings.steps} drafts")
     print(f"saved to {artifact_dir(EAGLE3, name)}", file=sys.stderr)
+    return 0
+
+
+def curve_command(args) -> int:
+    from .eagle3_curve import write_curve
+
+    for point in write_curve(args.names, args.out):
+        print(f"{point['name']}: {point['positions']:,} positions x {point['epochs']} epochs ({point['batches']} batches): "
+              f"expected length {point['expected_length']}, step accuracy {point['step_accuracy']}")
+    print(f"written to {args.out}", file=sys.stderr)
     return 0
