@@ -98,7 +98,7 @@ class EagleConfig(Section):
 
 
 class Eagle3Config(EagleConfig):
-    weights: str | None = Field(None, description="Trained EAGLE-3 drafter: a name under <cache>/eagle3 (`specdec train eagle3 --out NAME`) or a directory; null: <model.target>-eagle3")
+    weights: str | None = Field(None, description="Trained EAGLE-3 drafter: a name under <cache>/eagle3 (`specdec train eagle3 --out NAME`) or a directory; null: the one shipped for model.target (specdec_core/shipped/<target>-eagle3), else <model.target>-eagle3")
     precision: Literal["int4", "int8", "bf16"] = Field("int4", description="Its linear layers: int4 or int8 on our kernel, or bf16 as trained (int4 measured at 0.057-0.068 of a target step on the 1.5B)")
     total_tokens: int = Field(5, ge=1, description="Nodes of the draft tree verified each step; with top_k 1 a chain of this many")
     depth: int = Field(5, ge=1, description="Most levels of the draft tree (also capped by gamma)")

@@ -15,8 +15,8 @@ from specdec_core.models.artifacts import MissingArtifactError
 from specdec_core.models.eagle3_net import Eagle3Net
 from specdec_core.models.eagle_net import CachedDraftLayer, EagleNet, load_eagle
 from specdec_core.models.loading import load_runner
-from specdec_core.sampling import SamplingParams
 from specdec_core.models.vocab import ReducedVocab
+from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_tools.train import eagle as train_eagle
 from specdec_tools.train.data import DataSettings, features

@@ -19,8 +19,10 @@ from specdec_core.config import Config, Eagle3Config
 from specdec_core.control import Controller
 from specdec_core.drafters.eagle import EagleDrafter
 from specdec_core.engine import Engine
-from specdec_core.models.artifacts import MissingArtifactError
+from specdec_core.models import artifacts
+from specdec_core.models.artifacts import EAGLE3, MissingArtifactError
 from specdec_core.models.eagle3_net import Eagle3Net, feature_layers, load_eagle3, ttt_step
+from specdec_core.models.fetch import sha256_file
 from specdec_core.models.loading import load_runner
 from specdec_core.models.vocab import ReducedVocab
 from specdec_core.sampling import SamplingParams
@@ -189,6 +191,46 @@ def test_the_learning_curve_lists_each_drafters_heldout_figures(trained_data, tr
     point, = json.loads((tmp_path / "learning-curve.json").read_text())["points"]
     assert point["positions"] == trained["data"]["positions"] and point["step_accuracy"] == trained["heldout"]["step_accuracy"]
     assert (tmp_path / "learning-curve.png").stat().st_size > 0
+
+
+@pytest.fixture
+def shipped(trained_data, trained, tmp_path, monkeypatch):
+    """The trained drafter shipped (into a stand-in for specdec_core/shipped/): its directory."""
+    runner, _, root = trained_data
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    assert main(["train", "eagle3-ship", str(root / "net"), "--config", CONFIG]) == 0
+    return EAGLE3.shipped(runner.name)
+
+
+def test_a_shipped_drafter_serves_when_the_config_names_none_and_its_text_is_plain_decodings(trained_data, shipped):
+    runner, _, root = trained_data
+    manifest = json.loads((shipped / "manifest.json").read_text())
+    assert manifest["sha256"] == sha256_file(shipped / "eagle3.safetensors") and manifest["gguf_sha256"] is None
+    assert manifest["commands"][2].startswith("specdec train eagle3 --config configs/tiny-random.yaml --out net")
+    float_net = load_eagle3(root / "net", runner.model, runner.name, None)
+    int8_net = load_eagle3(shipped, runner.model, runner.name, None)
+    for key, value in float_net.state_dict().items():  # int8 rows: within half a step of each row's scale
+        torch.testing.assert_close(int8_net.state_dict()[key], value, atol=value.abs().max().item() / 127, rtol=0)
+    config = Config.load(CONFIG).model_copy(deep=True)
+    config.speculation.drafter = "eagle3"
+    drafter = build_drafter(config, runner)
+    seq = Sequence("s", [1, 2, 3], SamplingParams(temperature=0), 24)
+    decode(Engine(runner, drafter, Controller(gamma_max=5, fixed_gamma=5), set()), [seq])
+    assert seq.output_ids == greedy_reference(runner, seq.prompt_ids, 24)
+
+
+def test_a_shipped_drafter_is_refused_when_its_file_or_its_targets_file_is_not_the_manifests(trained_data, shipped):
+    runner, _, _ = trained_data
+    manifest_path = shipped / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "gguf_sha256": "0" * 64}))
+    with pytest.raises(MissingArtifactError, match=r"another GGUF file .* train one for it with: specdec train eagle3"):
+        load_eagle3(shipped, runner.model, runner.name, "int4")
+    manifest_path.write_text(json.dumps(manifest))
+    weights = shipped / "eagle3.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(MissingArtifactError, match=r"not the file its manifest names .*git checkout"):
+        load_eagle3(shipped, runner.model, runner.name, "int4")
 
 
 def test_cli_says_to_make_the_features_first(tmp_path, monkeypatch, capsys):

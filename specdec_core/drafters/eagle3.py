@@ -21,6 +21,6 @@ def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> E
     which names the command that trains them."""
     settings = config.speculation.eagle3
     precision = None if settings.precision == "bf16" else settings.precision
-    net = load_eagle3(settings.weights or EAGLE3.default_name(config.model.target), target.model, config.model.target,
+    net = load_eagle3(settings.weights or EAGLE3.default(config.model.target), target.model, config.model.target,
                       precision)
     return EagleDrafter(net, settings.top_k, settings.depth, settings.total_tokens)

@@ -6,6 +6,7 @@ vocabulary), and ``<file>.json``, what it is and what it was trained on, the tar
 
     heads/<name>/      heads.safetensors    heads.json      specdec train medusa
     eagle/<name>/      eagle.safetensors    eagle.json      specdec train eagle
+    eagle3/<name>/     eagle3.safetensors   eagle3.json     specdec train eagle3
     students/<name>/   student.safetensors  student.json    specdec train distill
 
 Saving writes a new directory beside the old one and renames it into place, so a reader finds the
@@ -13,6 +14,11 @@ previous artifact or the whole new one, never a mix. Loading checks that the art
 for the target it is loaded for. An artifact missing, or trained for another target, raises
 `MissingArtifactError`, whose message is the command that trains it. A training run keeps its
 checkpoint beside the directory (`checkpoint_path`), where saving does not touch it.
+
+A shipped artifact (committed in the repository, specdec_core/shipped/) also holds ``manifest.json``: its
+weights file's sha256 and the sha256 of the target's GGUF file it was trained on, both checked before it
+loads, and what made it (data, commands). Its matrices may be stored as int8 rows (`int8_rows`) to keep
+the file small; loading gives them back as float.
 """
 
 from __future__ import annotations
@@ -26,10 +32,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .catalogue import RegistryError, get_entry
+from .fetch import sha256_file
 from .paths import cache_dir
 from .vocab import ReducedVocab
 
 VOCAB_KEY = "vocab_ids"
+MANIFEST = "manifest.json"
+INT8_ROWS = "int8-rows"  # meta["stored"]: each matrix as int8 codes and a bf16 scale per row (key + SCALE_SUFFIX)
+SCALE_SUFFIX = ".row_scale"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "shipped"  # specdec_core/shipped: committed, trained drafters
 LEGACY_CHECKPOINT = "checkpoint.pt"  # where trainers kept their checkpoint, inside the directory, before it moved beside
 
 
@@ -56,6 +68,15 @@ class ArtifactKind:
     def default_name(self, target: str) -> str:
         """The name the trainer saves under when --out is not given."""
         return f"{target}-{self.suffix}"
+
+    def shipped(self, target: str) -> Path:
+        """Where the repository ships this kind's artifact for `target` (it may ship none)."""
+        return SHIPPED_DIR / self.default_name(target)
+
+    def default(self, target: str) -> str | Path:
+        """What a config that names no artifact loads: the one shipped for `target`, else the default name."""
+        shipped = self.shipped(target)
+        return shipped if (shipped / self.meta_file).is_file() else self.default_name(target)
 
     def train_command(self, target: str, name: str, config_path: str | None = None) -> str:
         """The command that trains the artifact `name` for `target` (with `config_path` when given)."""
@@ -98,15 +119,16 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def save_artifact(kind: ArtifactKind, directory: str | Path, tensors: dict[str, torch.Tensor], meta: dict,
-                  vocab: ReducedVocab | None = None) -> dict:
+                  vocab: ReducedVocab | None = None, manifest: dict | None = None) -> dict:
     """Save `tensors` (and `vocab`'s ids) and `meta` (and the vocabulary's sizes) as the artifact `directory`,
-    replacing what was there; the JSON's dict. Refuses a directory holding files of something else."""
+    replacing what was there; the JSON's dict. With `manifest`, a shipped artifact's manifest too (plus the
+    weights file's sha256 and size). Refuses a directory holding files of something else."""
     directory = Path(directory).absolute()  # "." too has a name to put the new directory beside
     if vocab is not None:
         tensors = {**tensors, VOCAB_KEY: vocab.ids.cpu().contiguous()}
     meta = {**meta, "vocab_size": None if vocab is None else vocab.size,
             "full_vocab_size": None if vocab is None else vocab.full_size}
-    ours = {kind.weights_file, kind.meta_file, LEGACY_CHECKPOINT}
+    ours = {kind.weights_file, kind.meta_file, MANIFEST, LEGACY_CHECKPOINT}
     others = sorted(p.name for p in directory.iterdir() if p.name not in ours) if directory.is_dir() else []
     if others:
         raise ValueError(f"{directory} holds other files than a {kind.what} ({', '.join(others[:3])}); "
@@ -116,6 +138,10 @@ def save_artifact(kind: ArtifactKind, directory: str | Path, tensors: dict[str, 
     new.mkdir(parents=True)
     save_file(tensors, str(new / kind.weights_file))
     (new / kind.meta_file).write_text(json.dumps(meta, indent=2) + "\n")
+    if manifest is not None:
+        weights = new / kind.weights_file
+        manifest = {**manifest, "file": kind.weights_file, "sha256": sha256_file(weights), "bytes": weights.stat().st_size}
+        (new / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     # rename(2) cannot replace a directory that is not empty: the old one steps aside first, then goes.
     old = new.with_name(f"{new.name}.old")
     if directory.exists():
@@ -145,7 +171,63 @@ def load_artifact(kind: ArtifactKind, name_or_path: str | Path, target: str, *, 
             f"{kind.what} {label!r} was trained for {meta.get('target')!r} (hidden size {meta.get('hidden_size')}), "
             f"not {target!r}{mine}; train one for it with: {command}"
         )
+    if (directory / MANIFEST).is_file():
+        check_manifest(kind, directory, target, command)
     tensors = load_file(str(directory / kind.weights_file), device=device)
+    if meta.get("stored") == INT8_ROWS:
+        tensors = from_int8_rows(tensors)
     ids = tensors.pop(VOCAB_KEY, None)
     vocab = None if ids is None else ReducedVocab(ids.long(), meta.get("full_vocab_size") or full_vocab_size)
     return Artifact(directory, meta, tensors, vocab)
+
+
+def target_gguf_sha256(target: str) -> str | None:
+    """The pinned sha256 of `target`'s GGUF file; None for a model outside the registry (tests' tiny ones)."""
+    try:
+        return get_entry(target).gguf_sha256
+    except RegistryError:
+        return None
+
+
+def check_manifest(kind: ArtifactKind, directory: Path, target: str, command: str) -> None:
+    """Refuse a shipped artifact whose weights are not the file its manifest names, or that was trained on
+    another GGUF file of `target` than the one the registry pins (MissingArtifactError, with `command`)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    actual = sha256_file(directory / kind.weights_file)
+    if actual != manifest.get("sha256"):
+        raise MissingArtifactError(
+            f"{directory / kind.weights_file} is not the file its manifest names (sha256 {actual}, manifest "
+            f"{manifest.get('sha256')}): restore it (git checkout -- {directory}) or train one with: {command}")
+    pinned = target_gguf_sha256(target)
+    if manifest.get("gguf_sha256") != pinned:
+        raise MissingArtifactError(
+            f"{kind.what} in {directory} was trained on another GGUF file of {target} (sha256 "
+            f"{manifest.get('gguf_sha256')}, this server's is {pinned}); train one for it with: {command}")
+
+
+def to_int8_rows(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float matrices as int8 codes with a bf16 scale per row (symmetric: w ~ code * scale); vectors as bf16;
+    other tensors (the vocabulary's ids) as they are."""
+    stored = {}
+    for key, value in tensors.items():
+        if not value.is_floating_point():
+            stored[key] = value
+        elif value.dim() == 2:
+            scale = (value.float().abs().amax(dim=1) / 127).clamp(min=1e-12).bfloat16()
+            stored[key] = (value.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+            stored[key + SCALE_SUFFIX] = scale
+        else:
+            stored[key] = value.bfloat16()
+    return stored
+
+
+def from_int8_rows(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What `to_int8_rows` stored, as float32."""
+    tensors = {}
+    for key, value in stored.items():
+        if key.endswith(SCALE_SUFFIX):
+            continue
+        scale = stored.get(key + SCALE_SUFFIX)
+        tensors[key] = value.float() * scale.float()[:, None] if scale is not None else (
+            value.float() if value.is_floating_point() else value)
+    return tensors

@@ -32,6 +32,12 @@ def add_arguments(trainers) -> None:
     p.add_argument("--out", type=Path, required=True, help="the run folder to write learning-curve.json and .png to")
     p.set_defaults(func=curve_command)
 
+    p = trainers.add_parser("eagle3-ship", help="ship a trained EAGLE-3 drafter in the repository, with its manifest")
+    p.add_argument("name", help="the trained drafter (a name under <cache>/eagle3, or a directory)")
+    p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="where to write it (default: specdec_core/shipped/<target>-eagle3)")
+    p.set_defaults(func=ship_command)
+
 
 def eagle3_command(args) -> int:
     from specdec_core.config import Config
@@ -70,4 +76,21 @@ def curve_command(args) -> int:
         print(f"{point['name']}: {point['positions']:,} positions x {point['epochs']} epochs ({point['batches']} batches): "
               f"expected length {point['expected_length']}, step accuracy {point['step_accuracy']}")
     print(f"written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def ship_command(args) -> int:
+    from specdec_core.config import Config
+    from specdec_core.models.artifacts import MissingArtifactError
+
+    from .eagle3_ship import ship
+
+    target = Config.load(args.config).model.target
+    try:
+        manifest = ship(args.name, target, args.config, args.out)
+    except (MissingArtifactError, ValueError) as error:
+        print(f"specdec train eagle3-ship: {error}", file=sys.stderr)
+        return 2
+    print(f"shipped {args.name!r} for {target}: {manifest['bytes'] / 2**20:.1f} MiB, sha256 {manifest['sha256']}; "
+          f"held out: expected accepted length {manifest['heldout']['expected_length']}")
     return 0
