@@ -83,6 +83,8 @@ DRAFTERS: dict[str, Callable[[ModelRunner], Drafter]] = {
                                                   DraftModelDrafter(float_copy(), target.vocab_size)),
     "eagle": lambda target: EagleDrafter(EagleNet(float_copy().model).eval().requires_grad_(False), 4, 3, 8),
     "eagle3": lambda target: EagleDrafter(untrained_eagle3(float_copy().model), 1, 3, 3),
+    "hybrid-eagle3": lambda target: HybridDrafter(SuffixDrafter(10_000, factor=2.0, min_probability=0.0),
+                                                  EagleDrafter(untrained_eagle3(float_copy().model), 1, 3, 3)),
     "medusa": lambda target: MedusaDrafter(target, perturbed_heads(target.config.hidden_size, 3, 0.02, seed=0), None, 6, 2),
     "distilled": lambda target: DistilledDrafter(target, random_adapter(target.config.hidden_size, 0.02, seed=0), k=1),
 }

@@ -10,7 +10,8 @@ lacks a match, and then for the whole batch in one pass (a pass over B rows
 costs about what one row costs in the memory-bound regime). A row that took
 the n-gram proposal reports 0 kept tokens to the model drafter, which then
 rolls that row back and catches it up next time it drafts; a drafter without
-state (layer skip) has nothing to roll back.
+state (layer skip) has nothing to roll back. A feature drafter (EAGLE-3) hears of every
+step, its features included: it must feed every committed token.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class HybridDrafter(Drafter):
 
     def attach(self, cache: BatchCache) -> None:
         self.model.attach(cache)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.model.feature_layers
 
     @property
     def keeps_own_kv(self) -> bool:
@@ -89,14 +94,16 @@ class HybridDrafter(Drafter):
         lengths = [part.lengths[i] for i, part in enumerate(parts)]
         width = max(lengths)
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        probs = torch.zeros(len(seqs), width, drafted.probs.shape[-1], device=drafted.probs.device)
+        # Both deterministic (q one-hot) when the model's drafts are: the lookups' always are.
+        probs = None if drafted.probs is None else torch.zeros(len(seqs), width, drafted.probs.shape[-1],
+                                                                 device=drafted.probs.device)
         trees = found.parents is not None or drafted.parents is not None
         parents = []
         for i, (use, part, length) in enumerate(zip(self._model_rows, parts, lengths)):
             tokens[i, :length] = part.tokens[i, :length]
-            if use:
+            if probs is not None and use:
                 probs[i, :length] = drafted.probs[i, :length]
-            else:  # a deterministic proposal is q one-hot, whatever the other rows' q
+            elif probs is not None:  # a deterministic proposal is q one-hot, whatever the other rows' q
                 probs[i, torch.arange(length), tokens[i, :length].to(probs.device)] = 1.0
             parents.append(part.parents[i] if part.parents is not None else list(range(-1, length - 1)))
         return Proposal(tokens=tokens, lengths=lengths, probs=probs, parents=parents if trees else None)
@@ -104,11 +111,14 @@ class HybridDrafter(Drafter):
     def accepted(
         self, seqs: list[Sequence], proposal: Proposal, paths: list[list[int]], features: list[torch.Tensor] | None
     ) -> None:
-        found, drafted = self._proposals
+        if self._proposals is None:  # a plain step (nothing proposed): only a feature drafter hears of it
+            self.model.accepted(seqs, proposal, paths, features)
+            return
+        (found, drafted), self._proposals = self._proposals, None
         self.lookup.accepted(seqs, found, [[] if use else path for use, path in zip(self._model_rows, paths)], features)
-        if drafted is not None:
+        if drafted is not None or self.uses_features:
             kept = [path if use else [] for use, path in zip(self._model_rows, paths)]
-            self.model.accepted(seqs, drafted, kept, features)
+            self.model.accepted(seqs, drafted or found, kept, features)
 
 
 def from_config(config: Config, target: ModelRunner, build: DrafterBuilder) -> HybridDrafter:

@@ -34,7 +34,7 @@ REGISTRY: dict[str, Entry] = {
     "hybrid": Entry("hybrid"),
     "medusa": Entry("medusa"),
     "eagle": Entry("eagle"),
-    "eagle3": Entry("eagle3"),
+    "eagle3": Entry("eagle3", runs_model=True),
     "distilled": Entry("distilled"),
 }
 DRAFTERS = (NO_DRAFTER, *REGISTRY)  # every name speculation.drafter may give
