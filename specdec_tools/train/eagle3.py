@@ -40,6 +40,7 @@ from specdec_core.models.eagle3_net import Eagle3Net, ttt_step
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab
 
+from ..cpu import cpu_info
 from . import loop
 from .settings import Eagle3Settings
 
@@ -236,6 +237,7 @@ def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3
                  "answers_sha256": {name: entry["answers_sha256"] for name, entry in meta["shards"].items()}},
         "train": dataclasses.asdict(settings), "batches": total, "first_batch": first, "last_batch": last, "heldout": figures,
         "train_s": round(time.perf_counter() - start, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": cpu_info(),
     }
     tensors = {key: value.detach().contiguous() for key, value in net.state_dict().items()}
     return save_artifact(EAGLE3, directory, tensors, record, vocab)

@@ -72,7 +72,8 @@ def eagle3_command(args) -> int:
 def curve_command(args) -> int:
     from .eagle3_curve import write_curve
 
-    for point in write_curve(args.names, args.out):
+    command = " ".join(["specdec train eagle3-curve", *args.names, "--out", str(args.out)])
+    for point in write_curve(args.names, args.out, command):
         print(f"{point['name']}: {point['positions']:,} positions x {point['epochs']} epochs ({point['batches']} batches): "
               f"expected length {point['expected_length']}, step accuracy {point['step_accuracy']}")
     print(f"written to {args.out}", file=sys.stderr)

@@ -20,16 +20,18 @@ def curve_points(names: list[str]) -> list[dict]:
             "name": name, "positions": meta["data"]["positions"], "shards": meta["data"]["shards"],
             "epochs": train["epochs"], "lr": train["lr"], "batches": meta["batches"], "bf16": train.get("bf16", False),
             "intermediate_size": meta["intermediate_size"], "train_s": meta["train_s"],
+            "positions_per_s": round(meta["data"]["positions"] * train["epochs"] / meta["train_s"], 1),
+            "machine": meta.get("machine"),
             "step_accuracy": meta["heldout"]["step_accuracy"], "expected_length": meta["heldout"]["expected_length"],
         })
     return sorted(points, key=lambda point: (point["positions"], point["batches"]))
 
 
-def write_curve(names: list[str], out: Path) -> list[dict]:
-    """learning-curve.json and learning-curve.png in `out`; the points."""
+def write_curve(names: list[str], out: Path, command: str) -> list[dict]:
+    """learning-curve.json (with the `command` that wrote it) and learning-curve.png in `out`; the points."""
     points = curve_points(names)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "learning-curve.json").write_text(json.dumps({"points": points}, indent=1) + "\n")
+    (out / "learning-curve.json").write_text(json.dumps({"command": command, "points": points}, indent=1) + "\n")
     plot(points, out / "learning-curve.png")
     return points
 
