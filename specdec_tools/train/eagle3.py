@@ -64,7 +64,7 @@ def shard_sequences(path: Path, heldout: bool, settings: Eagle3Settings) -> list
     data = load_file(str(path))
     lengths = data["lengths"].tolist()
     parts = {key: data[key].split(lengths) for key in ("low", "middle", "high", "last", "tokens")}
-    keep = [i for i, pid in enumerate(data["ids"].tolist()) if (pid % settings.heldout_every == settings.heldout_every // 2) == heldout]
+    keep = (held_out(data["ids"], settings) == heldout).nonzero().squeeze(1).tolist()
     return [{**{key: parts[key][i] for key in parts}, "answer_start": data["answer_starts"][i]} for i in keep]
 
 
@@ -158,7 +158,12 @@ def _training_count(path: Path, settings: Eagle3Settings) -> int:
     """A features shard's training sequences, from its prompt ids alone (safetensors reads one tensor)."""
     with safe_open(str(path), "pt") as shard:
         ids = shard.get_tensor("ids")
-    return int((ids % settings.heldout_every != settings.heldout_every // 2).sum())
+    return int((~held_out(ids, settings)).sum())
+
+
+def held_out(ids: torch.Tensor, settings: Eagle3Settings) -> torch.Tensor:
+    """Which of the prompts `ids` are held out: one in heldout_every, by id."""
+    return ids % settings.heldout_every == settings.heldout_every // 2
 
 
 def batches_per_epoch(files: list[Path], settings: Eagle3Settings) -> int:
