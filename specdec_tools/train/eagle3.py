@@ -120,7 +120,7 @@ def ttt_loss(net: Eagle3Net, batch: Batch, settings: Eagle3Settings) -> tuple[to
         at = slice(1 + step, 1 + step + width)  # slot t drafts the token after position t + 1 + step
         labels = batch.labels[:, at]
         scored = (labels >= 0) & batch.valid
-        logits = net.logits(hidden)[scored]
+        logits = net.logits(hidden[scored])  # the output layer is about half a step's work: unscored slots skip it
         if scored.any():
             total = total + settings.decay ** step * -(batch.probs[:, at][scored] * F.log_softmax(logits, -1)).sum(-1).mean()
         accuracy.append(float((logits.argmax(-1) == labels[scored]).float().mean()) if scored.any() else math.nan)
