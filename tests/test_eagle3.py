@@ -187,9 +187,11 @@ def test_a_drafter_of_another_target_is_refused_with_the_command_that_trains_one
 
 def test_the_learning_curve_lists_each_drafters_heldout_figures(trained_data, trained, tmp_path):
     _, _, root = trained_data
-    assert main(["train", "eagle3-curve", str(root / "net"), "--out", str(tmp_path)]) == 0
+    assert main(["train", "eagle3-curve", str(root / "net"), "--config", CONFIG, "--out", str(tmp_path)]) == 0
     point, = json.loads((tmp_path / "learning-curve.json").read_text())["points"]
+    # Scored again on the same held-out set, the drafter's figures are those its training recorded.
     assert point["positions"] == trained["data"]["positions"] and point["step_accuracy"] == trained["heldout"]["step_accuracy"]
+    assert point["heldout_shards"] == 2
     assert (tmp_path / "learning-curve.png").stat().st_size > 0
 
 

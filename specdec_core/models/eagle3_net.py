@@ -143,9 +143,11 @@ def ttt_step(net: Eagle3Net, hidden: torch.Tensor, tokens: torch.Tensor, valid: 
     return net(hidden, tokens, positions, ttt_masks(valid, step), kv)
 
 
-def load_eagle3(name_or_path: str | Path, target: nn.Module, target_name: str, precision: str | None) -> Eagle3Net:
-    """The trained EAGLE-3 drafter `name_or_path` for `target`, in its dtype, its linear layers at `precision` (one
-    of quant.QUANTIZED; None: as trained); MissingArtifactError naming the command that trains it."""
+def load_eagle3(name_or_path: str | Path, target: nn.Module, target_name: str, precision: str | None,
+                dtype: torch.dtype | None = None) -> Eagle3Net:
+    """The trained EAGLE-3 drafter `name_or_path` for `target`, in `dtype` (default: the target's), its linear
+    layers at `precision` (one of quant.QUANTIZED; None: as trained); MissingArtifactError naming the command that
+    trains it."""
     output = target.get_output_embeddings()
     artifact = load_artifact(EAGLE3, name_or_path, target_name, hidden_size=target.config.hidden_size,
                              full_vocab_size=output.out_features, device=str(next(target.parameters()).device))
@@ -153,7 +155,7 @@ def load_eagle3(name_or_path: str | Path, target: nn.Module, target_name: str, p
         raise ValueError(f"{artifact.directory} has no draft vocabulary: not an EAGLE-3 drafter")
     net = Eagle3Net(target, artifact.vocab, artifact.meta["intermediate_size"])
     net.load_state_dict(artifact.tensors)
-    net = net.to(next(target.parameters()).dtype).eval().requires_grad_(False)
+    net = net.to(dtype or next(target.parameters()).dtype).eval().requires_grad_(False)
     if precision is not None:
         quantize_linears(net, precision)
     return net

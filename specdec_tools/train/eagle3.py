@@ -15,8 +15,11 @@ The draft vocabulary is the `vocab_size` most frequent tokens of the answers tra
 Shards are read one at a time (24 GB at 2M positions do not fit in memory): an epoch visits the shards in a seeded
 order and each shard's training sequences in a seeded order, `batch_sequences` a batch. A checkpoint beside the
 output (the network, the optimizer, the batches done) is written every `save_every` batches; a resumed run
-recomputes the order and skips the batches done (whole shards unread), so it continues exactly. Held out: the prompts whose id is
-heldout_every // 2 modulo heldout_every.
+recomputes the order and skips the batches done (whole shards unread), so it continues exactly.
+
+Held out: the prompts whose id is heldout_every // 2 modulo heldout_every. The held-out figures read those of the
+first `heldout_shards` features shards, whatever a run trained on, so that runs on more or fewer shards compare on
+one set (`evaluate` scores a saved drafter on it again: the learning curve's points).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from specdec_core.models.artifacts import EAGLE3, artifact_dir, checkpoint_path, save_artifact
-from specdec_core.models.eagle3_net import Eagle3Net, ttt_step
+from specdec_core.models.eagle3_net import Eagle3Net, load_eagle3, ttt_step
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab
 
@@ -186,7 +189,24 @@ def heldout_figures(net: Eagle3Net, files: list[Path], vocab: ReducedVocab, head
                 counted[k] += n
     accuracy = [r / n if n else math.nan for r, n in zip(right, counted)]
     return {"step_accuracy": [round(a, 4) for a in accuracy], "expected_length": round(expected_length(accuracy), 3),
-            "slots": counted}
+            "slots": counted, "shards": len(files)}
+
+
+def heldout_files(features: Path, settings: Eagle3Settings) -> list[Path]:
+    """The features shards whose held-out prompts the held-out figures read: the first `heldout_shards`."""
+    names = sorted(json.loads((features / "meta.json").read_text())["shards"])[: settings.heldout_shards]
+    return [features / f"{name}.safetensors" for name in names]
+
+
+def evaluate(runner: ModelRunner, name: str | Path) -> dict:
+    """The held-out figures of the saved drafter `name` (trained for `runner`'s target), on the set its training
+    would read today (its features directory's first heldout_shards shards; held out as it held out)."""
+    net = load_eagle3(name, runner.model, runner.name, None, torch.float32)  # as training scores it
+    meta = json.loads((artifact_dir(EAGLE3, name) / EAGLE3.meta_file).read_text())
+    recipe = meta["train"]
+    settings = Eagle3Settings(steps=recipe["steps"], decay=recipe["decay"], heldout_every=recipe["heldout_every"])
+    head = net.vocab.head(runner.model.get_output_embeddings()).float()
+    return heldout_figures(net, heldout_files(Path(meta["data"]["features"]), settings), net.vocab, head, settings)
 
 
 def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3Settings, resume: bool = False,
@@ -233,7 +253,7 @@ def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3
                 if step % settings.save_every == 0 or step == total:
                     loop.save_checkpoint(checkpoint, net, optimizer, scheduler, step, [], identity)
     net.eval()
-    figures = heldout_figures(net, files, vocab, head, settings)
+    figures = heldout_figures(net, heldout_files(features, settings), vocab, head, settings)
     positions = sum(entry["positions"] for entry in meta["shards"].values())
     record = {
         "target": runner.name, "architecture": "eagle3", "depths": meta["depths"],

@@ -29,6 +29,7 @@ def add_arguments(trainers) -> None:
 
     p = trainers.add_parser("eagle3-curve", help="EAGLE-3's learning curve: trained drafters' held-out figures, a table and a plot")
     p.add_argument("names", nargs="+", help="trained drafters (names under <cache>/eagle3, or directories)")
+    p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
     p.add_argument("--out", type=Path, required=True, help="the run folder to write learning-curve.json and .png to")
     p.set_defaults(func=curve_command)
 
@@ -70,10 +71,15 @@ def eagle3_command(args) -> int:
 
 
 def curve_command(args) -> int:
+    from specdec_core.config import Config
+    from specdec_core.models.loading import load_runner
+
     from .eagle3_curve import write_curve
 
-    command = " ".join(["specdec train eagle3-curve", *args.names, "--out", str(args.out)])
-    for point in write_curve(args.names, args.out, command):
+    config = Config.load(args.config)
+    runner = load_runner(config.model.target, config.model)
+    command = " ".join(["specdec train eagle3-curve", *args.names, "--config", args.config, "--out", str(args.out)])
+    for point in write_curve(runner, args.names, args.out, command):
         print(f"{point['name']}: {point['positions']:,} positions x {point['epochs']} epochs ({point['batches']} batches): "
               f"expected length {point['expected_length']}, step accuracy {point['step_accuracy']}")
     print(f"written to {args.out}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """EAGLE-3's learning curve: the held-out figures of trained drafters (`specdec train eagle3`) against the
-positions each was trained on, as a table and a plot in a run folder (`specdec train eagle3-curve`)."""
+positions each was trained on, as a table and a plot in a run folder (`specdec train eagle3-curve`). Every drafter
+is scored again on one held-out set (eagle3.evaluate), whatever shards it was trained on."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import json
 from pathlib import Path
 
 from specdec_core.models.artifacts import EAGLE3, artifact_dir
+from specdec_core.models.runner import ModelRunner
+
+from .eagle3 import evaluate
 
 
-def curve_points(names: list[str]) -> list[dict]:
-    """Per trained drafter (a name under <cache>/eagle3 or a directory), ordered by positions: what it was trained
-    on and how, and its held-out per-step accuracy and expected accepted length."""
+def curve_points(runner: ModelRunner, names: list[str]) -> list[dict]:
+    """Per drafter trained for `runner`'s target (a name under <cache>/eagle3 or a directory), ordered by
+    positions: what it was trained on and how, and its held-out per-step accuracy and expected accepted length."""
     points = []
     for name in names:
         meta = json.loads((artifact_dir(EAGLE3, name) / EAGLE3.meta_file).read_text())
+        heldout = evaluate(runner, name)
         train = meta["train"]
         points.append({
             "name": name, "positions": meta["data"]["positions"], "shards": meta["data"]["shards"],
@@ -22,14 +27,15 @@ def curve_points(names: list[str]) -> list[dict]:
             "intermediate_size": meta["intermediate_size"], "train_s": meta["train_s"],
             "positions_per_s": round(meta["data"]["positions"] * train["epochs"] / meta["train_s"], 1),
             "machine": meta.get("machine"),
-            "step_accuracy": meta["heldout"]["step_accuracy"], "expected_length": meta["heldout"]["expected_length"],
+            "step_accuracy": heldout["step_accuracy"], "expected_length": heldout["expected_length"],
+            "heldout_shards": heldout["shards"], "heldout_slots": heldout["slots"],
         })
     return sorted(points, key=lambda point: (point["positions"], point["batches"]))
 
 
-def write_curve(names: list[str], out: Path, command: str) -> list[dict]:
+def write_curve(runner: ModelRunner, names: list[str], out: Path, command: str) -> list[dict]:
     """learning-curve.json (with the `command` that wrote it) and learning-curve.png in `out`; the points."""
-    points = curve_points(names)
+    points = curve_points(runner, names)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning-curve.json").write_text(json.dumps({"command": command, "points": points}, indent=1) + "\n")
     plot(points, out / "learning-curve.png")

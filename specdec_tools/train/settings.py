@@ -67,6 +67,7 @@ class Eagle3Settings:
     lr: float = 2e-4
     batch_sequences: int = 4  # sequences per optimizer step
     heldout_every: int = 20  # one prompt in n is held out (by its id)
+    heldout_shards: int = 20  # held-out figures read the held-out prompts of the first n features shards: one set for every run
     save_every: int = 50  # batches between checkpoints
     seed: int = 0
     # Forward and backward under bf16 autocast (fp32 weights and optimizer): 2.6-3.2x faster than fp32 on an AMD EPYC
