@@ -47,10 +47,6 @@ from ..cpu import cpu_info
 from . import loop
 from .settings import Eagle3Settings
 
-# Batches are cut from runs of this many batches' sequences sorted by length: a batch is padded to its longest, and
-# cut at random, a quarter of its slots (and 39% of its attention) were padding; sorted within 8, 7% (12%).
-LENGTH_WINDOW = 8
-
 Example = dict[str, torch.Tensor]  # one sequence's low, middle, high, last [T, H]; tokens [T]; answer_start []
 
 
@@ -146,7 +142,7 @@ def expected_length(accuracy: list[float]) -> float:
 
 def batches(files: list[Path], epoch: int, settings: Eagle3Settings, skip: int = 0) -> Iterator[list[Example]]:
     """An epoch's training batches after its first `skip`: shards in a seeded order; in each, its sequences in a
-    seeded order, sorted by length within windows of LENGTH_WINDOW batches and cut into batches, the batches in a
+    seeded order, sorted by length within windows of `length_window` batches and cut into batches, the batches in a
     seeded order (a shard whose batches are all skipped is not read)."""
     generator = torch.Generator().manual_seed(settings.seed + epoch)
     size = settings.batch_sequences
@@ -159,8 +155,9 @@ def batches(files: list[Path], epoch: int, settings: Eagle3Settings, skip: int =
             continue
         sequences = shard_sequences(files[shard], False, settings)
         grouped = []
-        for start in range(0, count, LENGTH_WINDOW * size):
-            grouped += sorted(order[start : start + LENGTH_WINDOW * size], key=lambda i: len(sequences[i]["tokens"]))
+        window = settings.length_window * size
+        for start in range(0, count, window):
+            grouped += sorted(order[start : start + window], key=lambda i: len(sequences[i]["tokens"]))
         for turn in turns[skip:]:
             yield [sequences[i] for i in grouped[turn * size : (turn + 1) * size]]
         skip = 0

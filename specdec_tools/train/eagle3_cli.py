@@ -21,7 +21,8 @@ def add_arguments(trainers) -> None:
     p.add_argument("--fp32", action="store_true", help="train in fp32, not under bf16 autocast (for a CPU without bf16)")
     for field, help_text in (("steps", "training-time test's steps"), ("epochs", "passes over the features"),
                              ("lr", "AdamW learning rate"), ("vocab_size", "draft vocabulary"),
-                             ("intermediate_size", "the layer's MLP width"), ("batch_sequences", "sequences a batch")):
+                             ("intermediate_size", "the layer's MLP width"), ("batch_sequences", "sequences a batch"),
+                             ("length_window", "batches cut from runs of N batches' sequences sorted by length")):
         default = getattr(DEFAULTS, field)
         p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default,
                        help=f"{help_text} (default: %(default)s)")
@@ -59,6 +60,7 @@ def eagle3_command(args) -> int:
         return 2
     settings = Eagle3Settings(steps=args.steps, epochs=args.epochs, lr=args.lr, vocab_size=args.vocab_size,
                               intermediate_size=args.intermediate_size, batch_sequences=args.batch_sequences,
+                              length_window=args.length_window,
                               bf16=not args.fp32)
     name = args.out or EAGLE3.default_name(target)
     meta = train(runner, features, name, settings, args.resume, shards=args.shards)

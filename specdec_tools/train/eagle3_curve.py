@@ -23,7 +23,8 @@ def curve_points(runner: ModelRunner, names: list[str]) -> list[dict]:
         train = meta["train"]
         points.append({
             "name": name, "positions": meta["data"]["positions"], "shards": meta["data"]["shards"],
-            "epochs": train["epochs"], "lr": train["lr"], "batches": meta["batches"], "bf16": train.get("bf16", False),
+            "epochs": train["epochs"], "lr": train["lr"], "length_window": train.get("length_window", 1),
+            "batches": meta["batches"], "bf16": train.get("bf16", False),
             "intermediate_size": meta["intermediate_size"], "train_s": meta["train_s"],
             "positions_per_s": round(meta["data"]["positions"] * train["epochs"] / meta["train_s"], 1),
             "machine": meta.get("machine"),
@@ -50,9 +51,10 @@ def plot(points: list[dict], path: Path) -> None:
     from matplotlib import pyplot as plt
 
     figure, (length, first) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for epochs, lr in sorted({(point["epochs"], point["lr"]) for point in points}):  # a line per recipe
-        chosen = [point for point in points if (point["epochs"], point["lr"]) == (epochs, lr)]
-        label = f"{epochs} epoch{'s' if epochs > 1 else ''}, lr {lr:g}"
+    recipes = sorted({(point["epochs"], point["lr"], point["length_window"]) for point in points})
+    for epochs, lr, window in recipes:  # a line per recipe
+        chosen = [point for point in points if (point["epochs"], point["lr"], point["length_window"]) == (epochs, lr, window)]
+        label = f"{epochs} epoch{'s' if epochs > 1 else ''}, lr {lr:g}" + (f", sorted in {window}" if window > 1 else "")
         positions = [point["positions"] for point in chosen]
         length.plot(positions, [point["expected_length"] for point in chosen], marker="o", label=label)
         first.plot(positions, [point["step_accuracy"][0] for point in chosen], marker="o", label=label)

@@ -66,6 +66,9 @@ class Eagle3Settings:
     epochs: int = 1
     lr: float = 2e-4
     batch_sequences: int = 4  # sequences per optimizer step
+    # Batches are cut from runs of this many batches' sequences sorted by length (1: at random). Padded to its longest,
+    # a batch cut at random was a quarter padding (39% of its attention), one cut within 8, 7% (12%): 1.19x positions/s.
+    length_window: int = 8
     heldout_every: int = 20  # one prompt in n is held out (by its id)
     heldout_shards: int = 20  # held-out figures read the held-out prompts of the first n features shards: one set for every run
     save_every: int = 50  # batches between checkpoints
