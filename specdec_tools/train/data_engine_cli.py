@@ -36,6 +36,7 @@ def add_arguments(trainers) -> None:
     p = trainers.add_parser("features", help="the target's hidden states at three depths over its answers (EAGLE-3's inputs)")
     p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
     p.add_argument("--answers", type=Path, help="the answers' directory (default: data/train/answers/<target>)")
+    p.add_argument("--shards", type=int, help="the first N answers shards' features (default: every shard's)")
     p.set_defaults(func=features_command)
 
 
@@ -81,7 +82,7 @@ def features_command(args) -> int:
     config = Config.load(args.config)
     runner = load_runner(config.model.target, config.model)
     try:
-        directory = extract(runner, args.answers or ANSWERS_DIR / config.model.target)
+        directory = extract(runner, args.answers or ANSWERS_DIR / config.model.target, shards=args.shards)
     except FileNotFoundError as error:
         print(f"specdec train features: {error}", file=sys.stderr)
         return 2

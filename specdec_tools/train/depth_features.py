@@ -70,10 +70,11 @@ def shard_features(runner: ModelRunner, shard: Shard, bar: tqdm) -> dict[str, to
     }
 
 
-def extract(runner: ModelRunner, answers: Path, progress: bool = True) -> Path:
-    """The depth features of every answers shard in `answers` (those cached already skipped); their directory."""
+def extract(runner: ModelRunner, answers: Path, progress: bool = True, shards: int | None = None) -> Path:
+    """The depth features of every answers shard in `answers` (the first `shards`, when given; those cached already
+    skipped); their directory."""
     directory = features_dir(runner)
-    shards = sorted(answers.glob("shard-*.npz"))
+    shards = sorted(answers.glob("shard-*.npz"))[:shards]
     if not shards:
         raise FileNotFoundError(f"no answers shards in {answers}: run `specdec train answers` first")
     with held_alone(directory):
