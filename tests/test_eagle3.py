@@ -178,6 +178,14 @@ def test_the_trained_drafter_serves_from_its_config_and_its_text_is_plain_decodi
     assert sum(seq.stats.draft_tokens for seq in seqs) > 0
 
 
+def test_a_drafter_served_in_bf16_keeps_the_rotary_frequencies_it_was_trained_with(trained_data, trained):
+    runner, _, root = trained_data
+    trained_net = load_eagle3(root / "net", runner.model, runner.name, None, torch.float32)
+    served = load_eagle3(root / "net", runner.model, runner.name, None, torch.bfloat16)
+    assert served.fc.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(served.rotary.inv_freq, trained_net.rotary.inv_freq, rtol=0, atol=0)
+
+
 def test_a_drafter_of_another_target_is_refused_with_the_command_that_trains_one(trained_data, trained):
     _, _, root = trained_data
     other = tiny_runner(seed=1, vocab=64)

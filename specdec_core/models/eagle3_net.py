@@ -95,7 +95,7 @@ class Eagle3Net(CachedDraftLayer):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [B, heads, T, d], keys and values [B, kv_heads, T, d] of pairs (hidden [B, T, H],
         tokens [B, T]) at rotary `positions` [B, T]."""
-        embeds = self._frozen["embed"](tokens).to(hidden.dtype)
+        embeds = self._frozen["embed"](tokens).detach().to(hidden.dtype)  # frozen: no gradient into the target's table
         both = torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1)
         batch, length = tokens.shape
         q = self.q_proj(both).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
@@ -156,6 +156,8 @@ def load_eagle3(name_or_path: str | Path, target: nn.Module, target_name: str, p
     net = Eagle3Net(target, artifact.vocab, artifact.meta["intermediate_size"])
     net.load_state_dict(artifact.tensors)
     net = net.to(dtype or next(target.parameters()).dtype).eval().requires_grad_(False)
+    # Rotary frequencies in fp32, as trained: rounded to bf16 they drift by 0.5 rad over 400 positions.
+    net.rotary = type(net.rotary)(config=target.config).to(net.fc.weight.device)
     if precision is not None:
         quantize_linears(net, precision)
     return net

@@ -25,6 +25,7 @@ one set (`evaluate` scores a saved drafter on it again: the learning curve's poi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -50,16 +51,17 @@ from .settings import Eagle3Settings
 Example = dict[str, torch.Tensor]  # one sequence's low, middle, high, last [T, H]; tokens [T]; answer_start []
 
 
-def draft_vocab(files: list[Path], size: int, full_size: int, always: set[int]) -> ReducedVocab:
-    """The `size` most frequent tokens of the answers in features shards `files` (prompts not counted), `always`
-    among them."""
+def draft_vocab(files: list[Path], full_size: int, always: set[int], settings: Eagle3Settings) -> ReducedVocab:
+    """The `settings.vocab_size` most frequent tokens of the training answers in features shards `files` (prompts
+    and held-out answers not counted), `always` among them."""
     counts = torch.zeros(full_size)
     for path in files:
         with safe_open(str(path), "pt") as shard:
-            tokens, lengths, starts = (shard.get_tensor(key) for key in ("tokens", "lengths", "answer_starts"))
-        for sequence, start in zip(tokens.split(lengths.tolist()), starts.tolist()):
-            counts += torch.bincount(sequence[start:], minlength=full_size)[:full_size]
-    return ReducedVocab.most_frequent(counts, min(size, full_size), always)
+            tokens, lengths, starts, ids = (shard.get_tensor(key) for key in ("tokens", "lengths", "answer_starts", "ids"))
+        for sequence, start, heldout in zip(tokens.split(lengths.tolist()), starts.tolist(), held_out(ids, settings).tolist()):
+            if not heldout:
+                counts += torch.bincount(sequence[start:], minlength=full_size)[:full_size]
+    return ReducedVocab.most_frequent(counts, min(settings.vocab_size, full_size), always)
 
 
 def shard_sequences(path: Path, heldout: bool, settings: Eagle3Settings) -> list[Example]:
@@ -226,16 +228,16 @@ def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3
     files = [features / f"{name}.safetensors" for name in meta["shards"]]
     torch.manual_seed(settings.seed)
     eos = runner.tokenizer.eos_token_id if runner.tokenizer is not None else None
-    vocab = draft_vocab(files, settings.vocab_size, runner.model.get_output_embeddings().out_features,
-                        set() if eos is None else {eos})
+    vocab = draft_vocab(files, runner.model.get_output_embeddings().out_features, set() if eos is None else {eos}, settings)
     net = Eagle3Net(runner.model, vocab, settings.intermediate_size).float().train()
     head = vocab.head(runner.model.get_output_embeddings()).float()
     optimizer = torch.optim.AdamW(net.parameters(), lr=settings.lr)
     per_epoch = batches_per_epoch(files, settings)
     total = settings.epochs * per_epoch
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
-    # A checkpoint continues only the run that made it: the same settings over the same shards.
-    identity = {"settings": dataclasses.asdict(settings), "shards": meta["shards"]}
+    # A checkpoint continues only the run that made it: the same settings over the same shards, the same vocabulary.
+    identity = {"settings": dataclasses.asdict(settings), "shards": meta["shards"],
+                "vocab_sha256": hashlib.sha256(vocab.ids.numpy().tobytes()).hexdigest()}
     done = 0
     if resume and checkpoint.is_file():
         done, _ = loop.restore_checkpoint(checkpoint, identity, net, optimizer, scheduler)
@@ -245,8 +247,9 @@ def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3
             # The order is the seed's: a resumed run skips exactly the batches done.
             for chosen in batches(files, epoch, settings, skip=max(0, done - epoch * per_epoch)):
                 step += 1
+                batch = make_batch(chosen, vocab, head, settings.steps)  # outside autocast: the target's probabilities in fp32
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
-                    loss, accuracy, _ = ttt_loss(net, make_batch(chosen, vocab, head, settings.steps), settings)
+                    loss, accuracy, _ = ttt_loss(net, batch, settings)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
