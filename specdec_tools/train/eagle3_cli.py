@@ -18,7 +18,9 @@ def add_arguments(trainers) -> None:
     p.add_argument("--out", help="name of the result, saved under <cache>/eagle3/NAME; default <target>-eagle3")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
     p.add_argument("--shards", type=int, help="train on the first N features shards (a learning-curve point; default: all)")
-    p.add_argument("--fp32", action="store_true", help="train in fp32, not under bf16 autocast (for a CPU without bf16)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16 autocast or fp32; auto: bf16 where the CPU computes bf16 itself (AVX-512 BF16, AMX), "
+                        "else fp32 (default: %(default)s)")
     for field, help_text in (("steps", "training-time test's steps"), ("epochs", "passes over the features"),
                              ("lr", "AdamW learning rate"), ("vocab_size", "draft vocabulary"),
                              ("intermediate_size", "the layer's MLP width"), ("batch_sequences", "sequences a batch"),
@@ -44,10 +46,12 @@ def add_arguments(trainers) -> None:
 def eagle3_command(args) -> int:
     from specdec_core.config import Config
     from specdec_core.models.artifacts import EAGLE3, artifact_dir
+    from specdec_core.models.kernels import cpu_flags
     from specdec_core.models.loading import load_runner
 
     from .depth_features import features_dir
     from .eagle3 import train
+    from .settings import bf16_native
 
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     config = Config.load(args.config)
@@ -58,10 +62,10 @@ def eagle3_command(args) -> int:
         print(f"specdec train eagle3: no depth features at {features}: run `specdec train features --config {args.config}`",
               file=sys.stderr)
         return 2
+    bf16 = bf16_native(cpu_flags()) if args.precision == "auto" else args.precision == "bf16"
     settings = Eagle3Settings(steps=args.steps, epochs=args.epochs, lr=args.lr, vocab_size=args.vocab_size,
                               intermediate_size=args.intermediate_size, batch_sequences=args.batch_sequences,
-                              length_window=args.length_window,
-                              bf16=not args.fp32)
+                              length_window=args.length_window, bf16=bf16)
     name = args.out or EAGLE3.default_name(target)
     meta = train(runner, features, name, settings, args.resume, shards=args.shards)
     heldout = meta["heldout"]

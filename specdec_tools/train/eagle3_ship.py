@@ -20,7 +20,7 @@ def training_command(meta: dict, name: str, config_path: str) -> str:
     train = meta["train"]
     options = [f"--{key.replace('_', '-')} {train[key]}"
                for key in ("steps", "epochs", "lr", "vocab_size", "intermediate_size", "batch_sequences")]
-    options += [f"--shards {meta['data']['shards']}"] + ([] if train.get("bf16", False) else ["--fp32"])
+    options += [f"--shards {meta['data']['shards']}", f"--precision {'bf16' if train.get('bf16', False) else 'fp32'}"]
     return f"specdec train eagle3 --config {config_path} --out {name} {' '.join(options)}"
 
 

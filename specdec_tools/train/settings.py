@@ -73,9 +73,17 @@ class Eagle3Settings:
     heldout_shards: int = 20  # held-out figures read the held-out prompts of the first n features shards: one set for every run
     save_every: int = 50  # batches between checkpoints
     seed: int = 0
-    # Forward and backward under bf16 autocast (fp32 weights and optimizer): 2.6-3.2x faster than fp32 on an AMD EPYC
-    # with AVX-512 BF16 (the same 3 batches alternated twice: 5.5-8.5 against 14.8-25.5 s), the same loss to 1e-3.
+    # Forward and backward under bf16 autocast (fp32 weights and optimizer) where the CPU computes bf16 itself: 2.6-3.2x
+    # faster than fp32 on an AMD EPYC with AVX-512 BF16 (the same 3 batches alternated twice: 5.5-8.5 against 14.8-25.5
+    # s), the same loss to 1e-3; 2.4x slower on a Xeon (Ice Lake) without it, which emulates bf16 (39.7 s a batch
+    # against 16.3). The CLI chooses from the CPU's flags (`bf16_native`).
     bf16: bool = True
+
+
+def bf16_native(flags: frozenset[str]) -> bool:
+    """Whether a CPU with `flags` computes bf16 matrix products in hardware (AVX-512 BF16 or AMX): where it does not,
+    torch emulates them, slower than fp32."""
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 @dataclass(frozen=True)
