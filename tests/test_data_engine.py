@@ -174,7 +174,7 @@ def test_depth_features_are_the_targets_layer_outputs_made_once_per_answers_shar
     made = []
     shard_features = depth_features.shard_features
     monkeypatch.setattr(depth_features, "shard_features", lambda r, shard, bar: made.append(shard.ids) or shard_features(r, shard, bar))
-    directory = depth_features.extract(runner, answers, progress=False, shards=1)  # the first shard alone
+    directory = depth_features.extract(runner, answers, progress=False, shards=slice(0, 1))  # the first shard alone
     assert made == [[0, 1]]
     depth_features.extract(runner, answers, progress=False)
     assert made == [[0, 1], [2, 3]]

@@ -6,11 +6,14 @@ test_eagle.py, test_invisible.py, test_prefix_cache.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from specdec_cli.main import main
@@ -20,7 +23,7 @@ from specdec_core.control import Controller
 from specdec_core.drafters.eagle import EagleDrafter
 from specdec_core.engine import Engine
 from specdec_core.models import artifacts
-from specdec_core.models.artifacts import EAGLE3, MissingArtifactError
+from specdec_core.models.artifacts import EAGLE3, VOCAB_KEY, MissingArtifactError
 from specdec_core.models.eagle3_net import Eagle3Net, feature_layers, load_eagle3, ttt_step
 from specdec_core.models.fetch import sha256_file
 from specdec_core.models.loading import load_runner
@@ -29,7 +32,8 @@ from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 from specdec_tools.train import depth_features, loop
 from specdec_tools.train.answers import answer
-from specdec_tools.train.eagle3 import expected_length, train
+from specdec_tools.train.eagle3 import evaluate, expected_length, held_out, lr_factor, shard_sequences, train
+from specdec_tools.train.eagle3_ship import ship, training_command
 from specdec_tools.train.settings import AnswerSettings, Eagle3Settings, bf16_native
 from specdec_tools.train.task_prompts import write_prompts
 
@@ -141,7 +145,8 @@ def test_training_lowers_the_loss_and_saves_a_drafter_with_its_vocabulary(traine
 
 def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monkeypatch):
     runner, features, root = trained_data
-    whole = train(runner, features, root / "whole", TRAIN, progress=False)
+    noisy = dataclasses.replace(TRAIN, noise=0.05, warmup=3, lr_floor=0.1)  # the noise and the schedule resume too
+    whole = train(runner, features, root / "whole", noisy, progress=False)
     save = loop.save_checkpoint
 
     def stop_after_save(*args):
@@ -150,9 +155,9 @@ def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monke
 
     monkeypatch.setattr(loop, "save_checkpoint", stop_after_save)
     with pytest.raises(KeyboardInterrupt):
-        train(runner, features, root / "resumed", TRAIN, progress=False)
+        train(runner, features, root / "resumed", noisy, progress=False)
     monkeypatch.setattr(loop, "save_checkpoint", save)
-    resumed = train(runner, features, root / "resumed", TRAIN, resume=True, progress=False)
+    resumed = train(runner, features, root / "resumed", noisy, resume=True, progress=False)
     assert resumed["last_batch"] == whole["last_batch"] and resumed["heldout"] == whole["heldout"]
     ours, theirs = (load_file(str(root / name / "eagle3.safetensors")) for name in ("whole", "resumed"))
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
@@ -162,6 +167,66 @@ def test_an_interrupted_training_resumes_to_the_same_drafter(trained_data, monke
             train(runner, features, root / "other", TRAIN, progress=False)
         monkeypatch.setattr(loop, "save_checkpoint", save)
         train(runner, features, root / "other", dataclasses.replace(TRAIN, lr=1e-3), resume=True, progress=False)
+
+
+def test_the_schedule_warms_up_to_its_peak_then_falls_to_its_floor():
+    settings = Eagle3Settings(warmup=4, lr_floor=0.1)
+    factors = [lr_factor(done, 20, settings) for done in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and factors[4] == 1.0
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:])) and factors[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+    assert lr_factor(20, 20, settings) == pytest.approx(0.1)
+    # Without warmup and floor it is the cosine to 0 the earlier runs trained with (torch's CosineAnnealingLR).
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+    for done in range(20):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_factor(done, 20, Eagle3Settings()), abs=1e-12)
+        optimizer.step()
+        cosine.step()
+
+
+def test_a_frozen_output_layer_is_the_targets_is_not_saved_and_is_rebuilt_as_it_trained(trained_data):
+    runner, features, root = trained_data
+    meta = train(runner, features, root / "frozen", dataclasses.replace(TRAIN, epochs=2, frozen_head=True), progress=False)
+    saved = load_file(str(root / "frozen" / "eagle3.safetensors"))
+    assert not set(Eagle3Net.HEAD_KEYS) & set(saved) and "fc.weight" in saved
+    net = load_eagle3(root / "frozen", runner.model, runner.name, None, torch.float32)
+    assert torch.equal(net.lm_head.weight, net.vocab.head(runner.model.get_output_embeddings()).weight.float())
+    assert torch.equal(net.norm.weight, runner.model.get_decoder().norm.weight.float())
+    assert evaluate(runner, root / "frozen") == meta["heldout"]  # the rebuilt layer scores as the trained one did
+    saved.pop("fc.weight")
+    (root / "frozen" / "eagle3.safetensors").unlink()
+    save_file(saved, str(root / "frozen" / "eagle3.safetensors"))
+    with pytest.raises(ValueError, match="missing.*fc.weight"):  # a tensor that was trained is never rebuilt
+        load_eagle3(root / "frozen", runner.model, runner.name, None)
+
+
+def test_a_piece_makes_its_shards_features_and_the_heldout_prompts_and_starts_from_a_snapshot(trained_data, trained,
+                                                                                              tmp_path, monkeypatch):
+    runner, made_before, root = trained_data
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # a new machine: no features cached
+    rule = functools.partial(held_out, settings=TRAIN)
+    features = depth_features.extract(runner, root / "answers", progress=False, shards=slice(1, 2), held_out=rule,
+                                      heldout_shards=1)
+    shards = json.loads((features / "meta.json").read_text())["shards"]
+    assert {name: entry["prompts"] for name, entry in shards.items()} == {"features-00000": "held-out", "features-00001": "all"}
+    # The held-out part holds what the whole shard holds of those prompts.
+    ours, whole = (shard_sequences(where / "features-00000.safetensors", True, TRAIN) for where in (features, made_before))
+    assert len(ours) == len(whole) == 1 and all(torch.equal(ours[0][key], whole[0][key]) for key in whole[0])
+    with pytest.raises(FileNotFoundError, match="no whole features shards features-00000"):
+        train(runner, features, tmp_path / "bad", TRAIN, shards=["features-00000"], progress=False)
+
+    snapshot = tmp_path / "snapshot"  # what a piece commits: int8 rows, its manifest, its held-out figures
+    ship(str(root / "net"), runner.name, CONFIG, snapshot)
+    piece_settings = dataclasses.replace(TRAIN, epochs=1, warmup=2)
+    piece = train(runner, features, tmp_path / "piece", piece_settings, shards=["features-00001"], init=snapshot, progress=False)
+    fresh = train(runner, features, tmp_path / "fresh", piece_settings, shards=["features-00001"], progress=False)
+    assert piece["init"]["from"] == str(snapshot) and piece["init"]["heldout"] == trained["heldout"]
+    assert piece["data"]["shards"] == 1 and piece["first_batch"]["loss"] < fresh["first_batch"]["loss"]
+    assert torch.equal(load_file(str(tmp_path / "piece" / "eagle3.safetensors"))[VOCAB_KEY],
+                       load_file(str(snapshot / "eagle3.safetensors"))[VOCAB_KEY])  # the snapshot's vocabulary
+    assert "--shards 1:2" in training_command(piece, "piece", CONFIG) and f"--init {snapshot}" in training_command(piece, "piece", CONFIG)
+    depth_features.extract(runner, root / "answers", progress=False, shards=slice(0, 1))  # trained on later: made whole
+    assert json.loads((features / "meta.json").read_text())["shards"]["features-00000"]["prompts"] == "all"
 
 
 @pytest.mark.parametrize("precision", ["int4", "bf16"])
@@ -216,7 +281,7 @@ def test_a_shipped_drafter_serves_when_the_config_names_none_and_its_text_is_pla
     runner, _, root = trained_data
     manifest = json.loads((shipped / "manifest.json").read_text())
     assert manifest["sha256"] == sha256_file(shipped / "eagle3.safetensors") and manifest["gguf_sha256"] is None
-    assert manifest["commands"][2].startswith("specdec train eagle3 --config configs/tiny-random.yaml --out net")
+    assert manifest["commands"][1].startswith("specdec train eagle3 --config configs/tiny-random.yaml --out net")
     float_net = load_eagle3(root / "net", runner.model, runner.name, None)
     int8_net = load_eagle3(shipped, runner.model, runner.name, None)
     for key, value in float_net.state_dict().items():  # int8 rows: within half a step of each row's scale
@@ -243,10 +308,11 @@ def test_a_shipped_drafter_is_refused_when_its_file_or_its_targets_file_is_not_t
         load_eagle3(shipped, runner.model, runner.name, "int4")
 
 
-def test_cli_says_to_make_the_features_first(tmp_path, monkeypatch, capsys):
+def test_cli_says_to_make_the_answers_first(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    assert main(["train", "eagle3", "--config", CONFIG]) == 2
-    assert "specdec train features" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no committed answers for the tiny target here either
+    assert main(["train", "eagle3", "--config", str(Path(__file__).parents[1] / CONFIG)]) == 2
+    assert "specdec train answers" in capsys.readouterr().err
 
 
 def test_training_runs_under_bf16_only_where_the_cpu_computes_bf16():

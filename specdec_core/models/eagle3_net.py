@@ -12,8 +12,9 @@ output with the token k places further on, and its query attends the real pairs 
 chain's earlier steps (a diagonal per step). So step k at position t computes what the drafter computes when it
 drafts k tokens after a real prefix ending at t (tests/test_eagle3.py checks it).
 
-The embedding is the target's own, frozen and never saved; the output layer starts as the target's rows for the
-reduced vocabulary and is trained.
+The embedding is the target's own, frozen and never saved. The output layer starts as the target's rows for the
+reduced vocabulary, its norm as a new one, and both are trained; or (`frozen_head`) both are the target's (its rows
+and its final norm), kept, never saved, and rebuilt from the target on load.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class Eagle3Net(CachedDraftLayer):
     Served by the EAGLE drafter (drafters/eagle.py): `feed` takes the target's three depths concatenated [.., 3H]
     and fuses them; `feed_pending` takes the layer's own outputs."""
 
-    def __init__(self, target: nn.Module, vocab: ReducedVocab, intermediate_size: int | None = None):
+    HEAD_KEYS = ("lm_head.weight", "norm.weight")  # a frozen output layer's: the target's, never saved
+
+    def __init__(self, target: nn.Module, vocab: ReducedVocab, intermediate_size: int | None = None,
+                 frozen_head: bool = False):
         super().__init__()
         config = copy.deepcopy(target.config)
         hidden = config.hidden_size
@@ -70,9 +74,14 @@ class Eagle3Net(CachedDraftLayer):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
         self.lm_head = nn.Linear(hidden, vocab.size, bias=False)
+        decoder = target.get_decoder()
         with torch.no_grad():
             self.lm_head.weight.copy_(vocab.head(target.get_output_embeddings()).weight.float())
-        decoder = target.get_decoder()
+            if frozen_head:
+                self.norm.weight.copy_(decoder.norm.weight.float())
+        self.frozen_head = frozen_head
+        self.lm_head.requires_grad_(not frozen_head)
+        self.norm.requires_grad_(not frozen_head)
         self.rotary = type(decoder.rotary_emb)(config=config)
         self._frozen = {"embed": decoder.embed_tokens}  # the target's: out of the module tree, never saved or trained
         self.vocab = vocab
@@ -153,8 +162,12 @@ def load_eagle3(name_or_path: str | Path, target: nn.Module, target_name: str, p
                              full_vocab_size=output.out_features, device=str(next(target.parameters()).device))
     if artifact.vocab is None:
         raise ValueError(f"{artifact.directory} has no draft vocabulary: not an EAGLE-3 drafter")
-    net = Eagle3Net(target, artifact.vocab, artifact.meta["intermediate_size"])
-    net.load_state_dict(artifact.tensors)
+    frozen_head = artifact.meta.get("train", {}).get("frozen_head", False)
+    net = Eagle3Net(target, artifact.vocab, artifact.meta["intermediate_size"], frozen_head)
+    missing, unexpected = net.load_state_dict(artifact.tensors, strict=False)
+    if unexpected or set(missing) != (set(Eagle3Net.HEAD_KEYS) if frozen_head else set()):
+        raise ValueError(f"{artifact.directory} does not hold an EAGLE-3 drafter's tensors: missing {missing}, "
+                         f"unexpected {unexpected}")
     net = net.to(dtype or next(target.parameters()).dtype).eval().requires_grad_(False)
     # Rotary frequencies in fp32, as trained: rounded to bf16 they drift by 0.5 rad over 400 positions.
     net.rotary = type(net.rotary)(config=target.config).to(net.fc.weight.device)

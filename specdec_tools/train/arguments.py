@@ -31,3 +31,12 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def data_settings(args: argparse.Namespace) -> DataSettings:
     return DataSettings(tokens=args.tokens, seq_len=args.seq_len, prompts=args.prompts, answer_tokens=args.answer_tokens)
+
+
+def shard_range(text: str) -> slice:
+    """`--shards` of the data engine's later stages: N (the first N answers shards) or A:B."""
+    first, colon, last = text.partition(":")
+    try:
+        return slice(int(first), int(last)) if colon else slice(0, int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N (the first N shards) or A:B") from None

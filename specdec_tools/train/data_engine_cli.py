@@ -3,14 +3,17 @@ depth_features.py), importable without torch (the CLI's parser reads their defau
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
 from pathlib import Path
 
-from .settings import AnswerSettings
+from .arguments import shard_range
+from .settings import AnswerSettings, Eagle3Settings
 
 DEFAULTS = AnswerSettings()
+EAGLE3_DEFAULTS = Eagle3Settings()
 PROMPTS_FILE = "data/train/prompts.jsonl.gz"
 
 
@@ -36,7 +39,9 @@ def add_arguments(trainers) -> None:
     p = trainers.add_parser("features", help="the target's hidden states at three depths over its answers (EAGLE-3's inputs)")
     p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
     p.add_argument("--answers", type=Path, help="the answers' directory (default: data/train/answers/<target>)")
-    p.add_argument("--shards", type=int, help="the first N answers shards' features (default: every shard's)")
+    p.add_argument("--shards", type=shard_range, default=slice(None),
+                   help="answers shards N (the first N) or A:B, and the held-out prompts of the first "
+                        f"{EAGLE3_DEFAULTS.heldout_shards} that EAGLE-3's training scores on (default: every shard)")
     p.set_defaults(func=features_command)
 
 
@@ -77,12 +82,15 @@ def features_command(args) -> int:
 
     from .answers import ANSWERS_DIR
     from .depth_features import extract
+    from .eagle3 import held_out
 
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     config = Config.load(args.config)
     runner = load_runner(config.model.target, config.model)
     try:
-        directory = extract(runner, args.answers or ANSWERS_DIR / config.model.target, shards=args.shards)
+        directory = extract(runner, args.answers or ANSWERS_DIR / config.model.target, shards=args.shards,
+                            held_out=functools.partial(held_out, settings=EAGLE3_DEFAULTS),
+                            heldout_shards=EAGLE3_DEFAULTS.heldout_shards)
     except FileNotFoundError as error:
         print(f"specdec train features: {error}", file=sys.stderr)
         return 2

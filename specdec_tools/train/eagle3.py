@@ -39,13 +39,15 @@ from torch.nn import functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specdec_core.models.artifacts import EAGLE3, artifact_dir, checkpoint_path, save_artifact
+from specdec_core.models.artifacts import EAGLE3, MissingArtifactError, artifact_dir, checkpoint_path, save_artifact
+from specdec_core.models.fetch import sha256_file
 from specdec_core.models.eagle3_net import Eagle3Net, load_eagle3, ttt_step
 from specdec_core.models.runner import ModelRunner
 from specdec_core.models.vocab import ReducedVocab
 
 from ..cpu import cpu_info
 from . import loop
+from .depth_features import ALL
 from .settings import Eagle3Settings
 
 Example = dict[str, torch.Tensor]  # one sequence's low, middle, high, last [T, H]; tokens [T]; answer_start []
@@ -113,6 +115,14 @@ def make_batch(sequences: list[Example], vocab: ReducedVocab, head: torch.nn.Lin
     return Batch(out["low"], out["middle"], out["high"], tokens, valid, probs, labels)
 
 
+def add_noise(batch: Batch, std: float, seed: int) -> None:
+    """Gaussian noise of `std` on the batch's real positions' features, drawn from `seed` (a resumed run draws the
+    same)."""
+    generator = torch.Generator().manual_seed(seed)
+    for features in (batch.low, batch.middle, batch.high):
+        features += std * torch.randn(features.shape, generator=generator) * batch.valid[..., None]
+
+
 def ttt_loss(net: Eagle3Net, batch: Batch, settings: Eagle3Settings) -> tuple[torch.Tensor, list[float], list[int]]:
     """The training-time test's weighted loss over `settings.steps` steps, and per step the accuracy and the slots
     scored."""
@@ -140,6 +150,16 @@ def expected_length(accuracy: list[float]) -> float:
         kept *= value
         length += kept
     return length
+
+
+def lr_factor(done: int, total: int, settings: Eagle3Settings) -> float:
+    """The learning rate over its peak for batch `done` (from 0) of `total`: a linear warmup reaching the peak at
+    batch `settings.warmup` - 1, then a cosine from the peak toward `settings.lr_floor`, which it reaches after the
+    last batch (with neither, torch's CosineAnnealingLR, as the earlier runs trained)."""
+    if done < settings.warmup:
+        return (done + 1) / settings.warmup
+    progress = (done - settings.warmup) / max(total - settings.warmup, 1)
+    return settings.lr_floor + (1 - settings.lr_floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def batches(files: list[Path], epoch: int, settings: Eagle3Settings, skip: int = 0) -> Iterator[list[Example]]:
@@ -206,11 +226,34 @@ def heldout_files(features: Path, settings: Eagle3Settings) -> list[Path]:
     return [features / f"{name}.safetensors" for name in names]
 
 
+class InitMismatch(ValueError):
+    """The drafter a run starts from (`--init`) is not the shape the run's settings train."""
+
+
+def check_init(init: str | Path, settings: Eagle3Settings) -> dict:
+    """The JSON of the drafter `init` a run starts from; InitMismatch where its MLP width or frozen output layer
+    differ from `settings`' (MissingArtifactError where it is not there)."""
+    meta = artifact_meta(init)
+    theirs = (meta["intermediate_size"], meta["train"].get("frozen_head", False))
+    if theirs != (settings.intermediate_size, settings.frozen_head):
+        raise InitMismatch(f"{init} has MLP width {theirs[0]} and frozen_head {theirs[1]}: train with the same "
+                           f"(--intermediate-size, --frozen-head)")
+    return meta
+
+
+def artifact_meta(name: str | Path) -> dict:
+    """What the saved drafter `name`'s JSON says (MissingArtifactError where it has none)."""
+    path = artifact_dir(EAGLE3, name) / EAGLE3.meta_file
+    if not path.is_file():
+        raise MissingArtifactError(f"no EAGLE-3 drafter at {path.parent}: name a saved drafter or a snapshot's folder")
+    return json.loads(path.read_text())
+
+
 def evaluate(runner: ModelRunner, name: str | Path) -> dict:
     """The held-out figures of the saved drafter `name` (trained for `runner`'s target), on the set its training
     would read today (its features directory's first heldout_shards shards; held out as it held out)."""
     net = load_eagle3(name, runner.model, runner.name, None, torch.float32)  # as training scores it
-    meta = json.loads((artifact_dir(EAGLE3, name) / EAGLE3.meta_file).read_text())
+    meta = artifact_meta(name)
     recipe = meta["train"]
     settings = Eagle3Settings(steps=recipe["steps"], decay=recipe["decay"], heldout_every=recipe["heldout_every"])
     head = net.vocab.head(runner.model.get_output_embeddings()).float()
@@ -218,26 +261,45 @@ def evaluate(runner: ModelRunner, name: str | Path) -> dict:
 
 
 def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3Settings, resume: bool = False,
-          progress: bool = True, shards: int | None = None) -> dict:
-    """Train EAGLE-3's drafter for `runner`'s target on the depth features in `features` (the first `shards`
-    shards, default all), save it as `out`; what its JSON says."""
+          progress: bool = True, shards: list[str] | None = None, init: str | Path | None = None) -> dict:
+    """Train EAGLE-3's drafter for `runner`'s target on the depth features in `features` (the whole shards named
+    `shards`, default every whole one), save it as `out`; what its JSON says. With `init` (a saved or shipped
+    drafter: a snapshot of an earlier piece), start from its weights and vocabulary, with a fresh optimizer."""
     directory = artifact_dir(EAGLE3, out)
     checkpoint = checkpoint_path(directory)
     meta = json.loads((features / "meta.json").read_text())
-    meta["shards"] = {name: meta["shards"][name] for name in sorted(meta["shards"])[:shards]}
+    whole = sorted(name for name, entry in meta["shards"].items() if entry.get("prompts", ALL) == ALL)
+    missing = sorted(set(shards or ()) - set(whole))
+    if missing:
+        raise FileNotFoundError(f"no whole features shards {', '.join(missing)} in {features}: run `specdec train features`")
+    meta["shards"] = {name: meta["shards"][name] for name in (shards or whole)}
     files = [features / f"{name}.safetensors" for name in meta["shards"]]
     torch.manual_seed(settings.seed)
-    eos = runner.tokenizer.eos_token_id if runner.tokenizer is not None else None
-    vocab = draft_vocab(files, runner.model.get_output_embeddings().out_features, set() if eos is None else {eos}, settings)
-    net = Eagle3Net(runner.model, vocab, settings.intermediate_size).float().train()
+    # A snapshot's weights as it stores them (int8 rows, when committed): a piece starts from what the repository has.
+    init_meta = None if init is None else check_init(init, settings)
+    start_from = None if init is None else load_eagle3(init, runner.model, runner.name, None, torch.float32)
+    if start_from is not None:
+        vocab = start_from.vocab
+    else:
+        eos = runner.tokenizer.eos_token_id if runner.tokenizer is not None else None
+        vocab = draft_vocab(files, runner.model.get_output_embeddings().out_features, set() if eos is None else {eos}, settings)
+    net = Eagle3Net(runner.model, vocab, settings.intermediate_size, settings.frozen_head).float().train()
+    if start_from is not None:
+        net.load_state_dict(start_from.state_dict())
     head = vocab.head(runner.model.get_output_embeddings()).float()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=settings.lr)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr)
     per_epoch = batches_per_epoch(files, settings)
     total = settings.epochs * per_epoch
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done, total, settings))
     # A checkpoint continues only the run that made it: the same settings over the same shards, the same vocabulary.
+    began_from = None if init_meta is None else {
+        "from": str(init), "weights_sha256": sha256_file(artifact_dir(EAGLE3, init) / EAGLE3.weights_file),
+        "heldout": init_meta["heldout"], "total_batches": init_meta.get("total_batches", init_meta["batches"]),
+        "total_positions_seen": init_meta.get("total_positions_seen",
+                                              init_meta["data"]["positions"] * init_meta["train"]["epochs"])}
     identity = {"settings": dataclasses.asdict(settings), "shards": meta["shards"],
-                "vocab_sha256": hashlib.sha256(vocab.ids.numpy().tobytes()).hexdigest()}
+                "vocab_sha256": hashlib.sha256(vocab.ids.numpy().tobytes()).hexdigest(),
+                "init": None if began_from is None else began_from["weights_sha256"]}
     done = 0
     if resume and checkpoint.is_file():
         done, _ = loop.restore_checkpoint(checkpoint, identity, net, optimizer, scheduler)
@@ -248,6 +310,8 @@ def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3
             for chosen in batches(files, epoch, settings, skip=max(0, done - epoch * per_epoch)):
                 step += 1
                 batch = make_batch(chosen, vocab, head, settings.steps)  # outside autocast: the target's probabilities in fp32
+                if settings.noise:
+                    add_noise(batch, settings.noise, settings.seed + step)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
                     loss, accuracy, _ = ttt_loss(net, batch, settings)
                 optimizer.zero_grad(set_to_none=True)
@@ -264,14 +328,19 @@ def train(runner: ModelRunner, features: Path, out: str | Path, settings: Eagle3
     net.eval()
     figures = heldout_figures(net, heldout_files(features, settings), vocab, head, settings)
     positions = sum(entry["positions"] for entry in meta["shards"].values())
+    before = began_from or {"total_batches": 0, "total_positions_seen": 0}  # the pieces this one continues
     record = {
         "target": runner.name, "architecture": "eagle3", "depths": meta["depths"],
         "hidden_size": net.hidden_size, "intermediate_size": net.intermediate_size,
         "data": {"features": str(features), "positions": positions, "shards": len(files),
                  "answers_sha256": {name: entry["answers_sha256"] for name, entry in meta["shards"].items()}},
-        "train": dataclasses.asdict(settings), "batches": total, "first_batch": first, "last_batch": last, "heldout": figures,
+        "train": dataclasses.asdict(settings), "init": began_from, "batches": total,
+        "total_batches": before["total_batches"] + total,  # with the pieces before this one's
+        "total_positions_seen": before["total_positions_seen"] + positions * settings.epochs,
+        "first_batch": first, "last_batch": last, "heldout": figures,
         "train_s": round(time.perf_counter() - start, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": cpu_info(),
     }
-    tensors = {key: value.detach().contiguous() for key, value in net.state_dict().items()}
+    tensors = {key: value.detach().contiguous() for key, value in net.state_dict().items()
+               if not (settings.frozen_head and key in Eagle3Net.HEAD_KEYS)}
     return save_artifact(EAGLE3, directory, tensors, record, vocab)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from pathlib import Path
 
+from .arguments import shard_range
 from .settings import Eagle3Settings
 
 DEFAULTS = Eagle3Settings()
@@ -17,23 +19,33 @@ def add_arguments(trainers) -> None:
     p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
     p.add_argument("--out", help="name of the result, saved under <cache>/eagle3/NAME; default <target>-eagle3")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
-    p.add_argument("--shards", type=int, help="train on the first N features shards (a learning-curve point; default: all)")
+    p.add_argument("--shards", type=shard_range, default=slice(None),
+                   help="train on answers shards N (the first N: a learning-curve point) or A:B (a piece of a long run); "
+                        "their depth features are made where missing (default: all)")
+    p.add_argument("--init", help="start from this drafter's weights and vocabulary, with a fresh optimizer (a snapshot "
+                                  "an earlier piece committed, or a name under <cache>/eagle3)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16 autocast or fp32; auto: bf16 where the CPU computes bf16 itself (AVX-512 BF16, AMX), "
                         "else fp32 (default: %(default)s)")
     for field, help_text in (("steps", "training-time test's steps"), ("epochs", "passes over the features"),
-                             ("lr", "AdamW learning rate"), ("vocab_size", "draft vocabulary"),
+                             ("lr", "AdamW's peak learning rate"), ("warmup", "batches of linear warmup"),
+                             ("lr_floor", "the cosine's end, a fraction of the peak"), ("vocab_size", "draft vocabulary"),
                              ("intermediate_size", "the layer's MLP width"), ("batch_sequences", "sequences a batch"),
+                             ("noise", "std of the noise on the target's features in training"),
                              ("length_window", "batches cut from runs of N batches' sequences sorted by length")):
         default = getattr(DEFAULTS, field)
         p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default,
                        help=f"{help_text} (default: %(default)s)")
+    p.add_argument("--frozen-head", action="store_true",
+                   help="keep the output layer and its norm the target's (rebuilt on load, never saved)")
     p.set_defaults(func=eagle3_command)
 
     p = trainers.add_parser("eagle3-curve", help="EAGLE-3's learning curve: trained drafters' held-out figures, a table and a plot")
     p.add_argument("names", nargs="+", help="trained drafters (names under <cache>/eagle3, or directories)")
     p.add_argument("--config", default="configs/default.yaml", help="the config naming the target (default: %(default)s)")
     p.add_argument("--out", type=Path, required=True, help="the run folder to write learning-curve.json and .png to")
+    p.add_argument("--earlier", type=Path, action="append", default=[],
+                   help="a learning-curve.json written before: its points drawn too, as scored there (repeatable)")
     p.set_defaults(func=curve_command)
 
     p = trainers.add_parser("eagle3-ship", help="ship a trained EAGLE-3 drafter in the repository, with its manifest")
@@ -45,29 +57,45 @@ def add_arguments(trainers) -> None:
 
 def eagle3_command(args) -> int:
     from specdec_core.config import Config
-    from specdec_core.models.artifacts import EAGLE3, artifact_dir
+    from specdec_core.models.artifacts import EAGLE3, MissingArtifactError, artifact_dir
     from specdec_core.models.kernels import cpu_flags
     from specdec_core.models.loading import load_runner
 
-    from .depth_features import features_dir
-    from .eagle3 import train
+    from .answers import ANSWERS_DIR
+    from .depth_features import answers_shards, extract, features_name
+    from .eagle3 import InitMismatch, check_init, held_out, train
+    from .loop import CheckpointMismatch
     from .settings import bf16_native
 
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     config = Config.load(args.config)
     target = config.model.target
-    runner = load_runner(target, config.model)
-    features = features_dir(runner)
-    if not (features / "meta.json").is_file():
-        print(f"specdec train eagle3: no depth features at {features}: run `specdec train features --config {args.config}`",
-              file=sys.stderr)
-        return 2
     bf16 = bf16_native(cpu_flags()) if args.precision == "auto" else args.precision == "bf16"
-    settings = Eagle3Settings(steps=args.steps, epochs=args.epochs, lr=args.lr, vocab_size=args.vocab_size,
+    settings = Eagle3Settings(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup=args.warmup,
+                              lr_floor=args.lr_floor, vocab_size=args.vocab_size,
                               intermediate_size=args.intermediate_size, batch_sequences=args.batch_sequences,
-                              length_window=args.length_window, bf16=bf16)
+                              noise=args.noise, frozen_head=args.frozen_head, length_window=args.length_window, bf16=bf16)
+    try:  # before hours of features: the drafter it starts from is there and of its shape
+        if args.init:
+            check_init(args.init, settings)
+    except (MissingArtifactError, InitMismatch) as error:
+        print(f"specdec train eagle3: {error}", file=sys.stderr)
+        return 2
+    runner = load_runner(target, config.model)
+    answers = ANSWERS_DIR / target
+    try:  # the features this run reads, made where missing: its shards whole, the held-out set's prompts
+        features = extract(runner, answers, shards=args.shards, held_out=functools.partial(held_out, settings=settings),
+                           heldout_shards=settings.heldout_shards)
+        shards = [features_name(path) for path in answers_shards(answers, args.shards)]
+    except FileNotFoundError as error:
+        print(f"specdec train eagle3: {error}", file=sys.stderr)
+        return 2
     name = args.out or EAGLE3.default_name(target)
-    meta = train(runner, features, name, settings, args.resume, shards=args.shards)
+    try:
+        meta = train(runner, features, name, settings, args.resume, shards=shards, init=args.init)
+    except (MissingArtifactError, InitMismatch, CheckpointMismatch) as error:
+        print(f"specdec train eagle3: {error}", file=sys.stderr)
+        return 2
     heldout = meta["heldout"]
     print(f"eagle3 {name!r} for {target}: {meta['data']['positions']:,} positions, {meta['batches']} batches, "
           f"{meta['train_s']} s; held out: step accuracy {heldout['step_accuracy']}, expected accepted length "
@@ -80,13 +108,15 @@ def curve_command(args) -> int:
     from specdec_core.config import Config
     from specdec_core.models.loading import load_runner
 
-    from .eagle3_curve import write_curve
+    from .eagle3_curve import RECIPE, recipe_label, write_curve
 
     config = Config.load(args.config)
     runner = load_runner(config.model.target, config.model)
-    command = " ".join(["specdec train eagle3-curve", *args.names, "--config", args.config, "--out", str(args.out)])
-    for point in write_curve(runner, args.names, args.out, command):
-        print(f"{point['name']}: {point['positions']:,} positions x {point['epochs']} epochs ({point['batches']} batches): "
+    command = " ".join(["specdec train eagle3-curve", *args.names, "--config", args.config, "--out", str(args.out),
+                        *[f"--earlier {path}" for path in args.earlier]])
+    for point in write_curve(runner, args.names, args.out, command, args.earlier):
+        print(f"{point['name']}: {point['positions']:,} positions x {point['epochs']} epochs ({point['batches']} batches, "
+              f"{recipe_label(tuple(point[key] for key in RECIPE))}): "
               f"expected length {point['expected_length']}, step accuracy {point['step_accuracy']}")
     print(f"written to {args.out}", file=sys.stderr)
     return 0

@@ -16,11 +16,20 @@ MAX_BYTES = 64 << 20  # what the repository takes per shipped drafter
 
 
 def training_command(meta: dict, name: str, config_path: str) -> str:
-    """The `specdec train eagle3` command that trains the drafter `meta` describes again, as `name`."""
+    """The `specdec train eagle3` command that trains the drafter `meta` describes again, as `name` (from the
+    snapshot it started from, if any)."""
     train = meta["train"]
+    train = {"length_window": 1, **train}  # before the setting, batches were cut at random
     options = [f"--{key.replace('_', '-')} {train[key]}"
-               for key in ("steps", "epochs", "lr", "vocab_size", "intermediate_size", "batch_sequences")]
-    options += [f"--shards {meta['data']['shards']}", f"--precision {'bf16' if train.get('bf16', False) else 'fp32'}"]
+               for key in ("steps", "epochs", "lr", "warmup", "lr_floor", "vocab_size", "intermediate_size",
+                           "batch_sequences", "noise", "length_window") if key in train]
+    numbers = sorted(int(shard.rsplit("-", 1)[1]) for shard in meta["data"]["answers_sha256"])
+    options.append(f"--shards {numbers[-1] + 1}" if numbers[0] == 0 else f"--shards {numbers[0]}:{numbers[-1] + 1}")
+    if train.get("frozen_head"):
+        options.append("--frozen-head")
+    if meta.get("init"):
+        options.append(f"--init {meta['init']['from']}")
+    options.append(f"--precision {'bf16' if train.get('bf16', False) else 'fp32'}")
     return f"specdec train eagle3 --config {config_path} --out {name} {' '.join(options)}"
 
 
@@ -37,7 +46,7 @@ def ship(name: str, target: str, config_path: str, out: Path | None = None) -> d
                  "answers": str(answers), "positions": meta["data"]["positions"],
                  "answers_sha256": meta["data"].get("answers_sha256")},
         "heldout": meta["heldout"],
-        "commands": [f"specdec train answers --config {config_path}", f"specdec train features --config {config_path}",
+        "commands": [f"specdec train answers --config {config_path}",  # train eagle3 makes the features it reads
                      training_command(meta, Path(name).name, config_path),
                      f"specdec train eagle3-ship {Path(name).name} --config {config_path}"],
         "shipped": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -24,6 +24,10 @@ def _step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scheduler) -> fl
     return loss.item()
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint was made by another run (other settings, data or vocabulary) than the one resuming it."""
+
+
 def save_checkpoint(path: Path, module: nn.Module, optimizer, scheduler, step: int, losses: list[float], identity: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.partial")
@@ -36,7 +40,7 @@ def restore_checkpoint(path: Path, identity: dict, module: nn.Module, optimizer,
     """Load a checkpoint into the objects; its step and finished epochs' losses."""
     state = torch.load(path, weights_only=True)
     if state["identity"] != identity:
-        raise ValueError(f"{path} was made with other settings or data ({state['identity']}); drop --resume to start afresh")
+        raise CheckpointMismatch(f"{path} was made with other settings or data ({state['identity']}); drop --resume to start afresh")
     module.load_state_dict(state["module"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -64,8 +64,12 @@ class Eagle3Settings:
     vocab_size: int = 16384  # draft vocabulary: the most frequent tokens of the target's answers
     intermediate_size: int = 3072  # the layer's MLP width: a draft step 0.057-0.068 of the 1.5B's (8960: 0.077-0.086)
     epochs: int = 1
-    lr: float = 2e-4
+    lr: float = 2e-4  # the peak of the schedule
+    warmup: int = 0  # batches of linear warmup to `lr` (SpecForge warms up over 1.5% of its run)
+    lr_floor: float = 0.0  # the cosine ends at lr * lr_floor
     batch_sequences: int = 4  # sequences per optimizer step
+    noise: float = 0.0  # std of Gaussian noise added to the target's features in training (speculators: 0.05)
+    frozen_head: bool = False  # keep the output layer and its norm the target's (rebuilt on load, never saved)
     # Batches are cut from runs of this many batches' sequences sorted by length (1: at random). Padded to its longest,
     # a batch cut at random was a quarter padding (39% of its attention), one cut within 8, 7% (12%): 1.19x positions/s.
     length_window: int = 8
