@@ -8,7 +8,9 @@ Where the real weights cannot go (a GPU machine takes 64 MiB), --shapes builds a
 architecture with random weights: a pass costs what its shapes cost, whatever the values. --acceptance
 combines the costs with a bench run's measured tokens per step into expected speedups, labelled as that
 combination (a tree's pass is taken as wide as it is deep, so trees come out a little better than they are);
---costs prices an earlier run's JSON (a GPU machine's, say) with --acceptance, measuring nothing.
+--costs prices an earlier run's JSON (a GPU machine's, say) with --acceptance, measuring nothing. On our kernel,
+each pass's linear multiply-adds a second are set against the CPU's int8 peak measured in the same run (int8_peak),
+and each pass against its bound: its bytes' read time or its multiply-adds at 75% of that peak, the larger.
 
     python -m specdec_tools.step_costs --config configs/default.yaml --lengths 1,2,4,8 --reps 10
     python -m specdec_tools.step_costs --config configs/default.yaml --steps eager,static \\
@@ -49,7 +51,7 @@ from specdec_core.models.vocab import ReducedVocab
 from specdec_core.sampling import SamplingParams
 from specdec_core.sequence import Sequence
 
-from . import measurement
+from . import int8_peak, measurement
 from .bench.llama_cpp import find_tools, llama_bench, registry_gguf
 from .bench.results import decoded_tokens
 from .quant_bench import model_bytes
@@ -346,6 +348,7 @@ def measure(args) -> dict:
     if not args.shapes and vnni.extension() is not None:
         result["read"] = read_rate(target, args.reps)
         result["read"]["step_over_read"] = passes[steps[0]][lengths[0]] / result["read"]["ms"]
+        result["int8"] = int8_rates(target, passes, result["read"]["ms"])
     if llama_cpp:
         result["llama_cpp"], prefills["llama.cpp"] = llama_cpp_rows(*llama_cpp, lengths, prefill_lengths, args.reps)
     if args.acceptance:
@@ -356,6 +359,35 @@ def measure(args) -> dict:
         }
     result["measure_s"] = time.perf_counter() - start
     return result
+
+
+def linear_macs(model: torch.nn.Module) -> int:
+    """Multiply-adds a token takes in the model's linear layers (float or ours), the output layer among them."""
+    return sum(module.in_features * module.out_features for module in model.modules()
+               if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int))
+
+
+# What a pass is bounded by: its bytes' read time, or its multiply-adds at this share of the measured int8 peak.
+PEAK_SHARE = 0.75
+
+
+def int8_rates(target: ModelRunner, passes: dict, read_ms: float) -> dict:
+    """Per step kind and pass of k tokens: its linear layers' multiply-adds a second (G/s; the whole pass's time, so
+    a floor on the kernel's own rate), that over the int8 peak of the kernel's family measured now (int8_peak), and
+    the pass over its bound, the larger of the one-token read time and its multiply-adds at PEAK_SHARE of the peak."""
+    peaks = int8_peak.peaks()
+    macs = linear_macs(target.model)
+    family = int8_peak.KERNEL_FAMILY_PEAK.get(vnni.family())
+    peak = peaks.get("g_macs_per_s", {}).get(family)
+    rates = {step: {k: macs * k / ms / 1e6 for k, ms in by_k.items()} for step, by_k in passes.items()}
+    return {
+        "label": f"linear layers' multiply-adds ({macs / 1e9:.3f} G a token) over each pass's time; the bound: max(read, "
+                 f"multiply-adds at {PEAK_SHARE:.0%} of the {family} peak)",
+        "macs_per_token": macs, "peaks": peaks, "kernel_peak": family, "g_macs_per_s": rates,
+        "of_peak": {step: {k: rate / peak for k, rate in by_k.items()} for step, by_k in rates.items()} if peak else None,
+        "over_bound": {step: {k: ms / max(read_ms, macs * k / (PEAK_SHARE * peak * 1e6)) for k, ms in by_k.items()}
+                       for step, by_k in passes.items()} if peak else None,
+    }
 
 
 def read_rate(target: ModelRunner, reps: int) -> dict:
