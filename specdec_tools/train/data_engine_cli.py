@@ -3,7 +3,6 @@ depth_features.py), importable without torch (the CLI's parser reads their defau
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -81,16 +80,13 @@ def features_command(args) -> int:
     from specdec_core.models.loading import load_runner
 
     from .answers import ANSWERS_DIR
-    from .depth_features import extract
-    from .eagle3 import held_out
+    from .eagle3 import run_features
 
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     config = Config.load(args.config)
     runner = load_runner(config.model.target, config.model)
     try:
-        directory = extract(runner, args.answers or ANSWERS_DIR / config.model.target, shards=args.shards,
-                            held_out=functools.partial(held_out, settings=EAGLE3_DEFAULTS),
-                            heldout_shards=EAGLE3_DEFAULTS.heldout_shards)
+        directory = run_features(runner, args.answers or ANSWERS_DIR / config.model.target, args.shards, EAGLE3_DEFAULTS)
     except FileNotFoundError as error:
         print(f"specdec train features: {error}", file=sys.stderr)
         return 2

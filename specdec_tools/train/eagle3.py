@@ -25,6 +25,7 @@ one set (`evaluate` scores a saved drafter on it again: the learning curve's poi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -47,7 +48,7 @@ from specdec_core.models.vocab import ReducedVocab
 
 from ..cpu import cpu_info
 from . import loop
-from .depth_features import ALL
+from .depth_features import ALL, extract
 from .settings import Eagle3Settings
 
 Example = dict[str, torch.Tensor]  # one sequence's low, middle, high, last [T, H]; tokens [T]; answer_start []
@@ -150,6 +151,13 @@ def expected_length(accuracy: list[float]) -> float:
         kept *= value
         length += kept
     return length
+
+
+def run_features(runner: ModelRunner, answers: Path, shards: slice, settings: Eagle3Settings) -> Path:
+    """The depth features a run on answers shards `shards` reads, made where the cache lacks them: those shards whole,
+    and the held-out prompts alone of the first `settings.heldout_shards` (the held-out set). Their directory."""
+    return extract(runner, answers, shards=shards, held_out=functools.partial(held_out, settings=settings),
+                   heldout_shards=settings.heldout_shards)
 
 
 def lr_factor(done: int, total: int, settings: Eagle3Settings) -> float:

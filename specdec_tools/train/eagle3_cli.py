@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from pathlib import Path
@@ -62,8 +61,8 @@ def eagle3_command(args) -> int:
     from specdec_core.models.loading import load_runner
 
     from .answers import ANSWERS_DIR
-    from .depth_features import answers_shards, extract, features_name
-    from .eagle3 import InitMismatch, check_init, held_out, train
+    from .depth_features import answers_shards, features_name
+    from .eagle3 import InitMismatch, check_init, run_features, train
     from .loop import CheckpointMismatch
     from .settings import bf16_native
 
@@ -84,8 +83,7 @@ def eagle3_command(args) -> int:
     runner = load_runner(target, config.model)
     answers = ANSWERS_DIR / target
     try:  # the features this run reads, made where missing: its shards whole, the held-out set's prompts
-        features = extract(runner, answers, shards=args.shards, held_out=functools.partial(held_out, settings=settings),
-                           heldout_shards=settings.heldout_shards)
+        features = run_features(runner, answers, args.shards, settings)
         shards = [features_name(path) for path in answers_shards(answers, args.shards)]
     except FileNotFoundError as error:
         print(f"specdec train eagle3: {error}", file=sys.stderr)
